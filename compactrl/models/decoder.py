@@ -1,0 +1,226 @@
+"""One Llama / Qwen2 / Qwen3 decoder in plain PyTorch, with Hugging Face parameter names.
+
+The math follows transformers op for op (float32 RoPE and RMSNorm, SDPA with GQA) so logits
+match it to float rounding. Attention takes whatever mask form the caller built from
+``evict_at`` (see :mod:`compactrl.masks`): None (causal), a dense bool mask, a
+:class:`~compactrl.masks.ChunkedMask` (CPU training), or a flex ``BlockMask`` (CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compactrl.masks import ChunkedMask
+from compactrl.models.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies, incl. the ``linear`` and ``llama3`` scalings (as transformers computes them)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v as ``[B, heads, T, head_dim]`` with RoPE applied: what a KV cache stores."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+def attend(q, k, v, mask) -> torch.Tensor:
+    """Scaled dot-product attention under one of the mask forms; q/k/v are ``[B, H, T, D]``."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() == 2:
+            mask = mask[None, None]
+        elif mask.dim() == 3:
+            mask = mask[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if isinstance(mask, ChunkedMask):
+        if q.shape[0] != 1:
+            raise ValueError("a ChunkedMask covers one row; pack streams into a single row (batch 1)")
+        outs = []
+        for c in mask.chunks:
+            kc, vc = k.index_select(2, c.keys), v.index_select(2, c.keys)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, c.q_start : c.q_end], kc, vc, attn_mask=c.mask[None, None], enable_gqa=True
+                )
+            )
+        return torch.cat(outs, dim=2)
+    return _flex(q, k, v, mask)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask):
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=b)
+        self.up_proj = nn.Linear(d, f, bias=b)
+        self.down_proj = nn.Linear(f, d, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``model.*`` backbone + ``lm_head``, named as in the HF checkpoints so state dicts load strictly."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, head_dim]`` in float32, cast to the activation dtype (as transformers)."""
+        inv = rope_inv_freq(self.config.rope, self.config.head_dim).to(positions.device)
+        freqs = positions[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
+        """Final-norm hidden states ``[B, T, d]``. ``positions`` are stream indices (never renumbered)."""
+        if input_ids.dim() == 1:
+            input_ids, positions = input_ids[None], positions[None]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``; for long streams use :func:`token_logprobs` on hidden states."""
+        return self.lm_head(self.hidden_states(input_ids, positions, mask))
+
+
+def token_logprobs(
+    lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
+    """``log p(targets[n] | hidden[n])`` in float32 (float64 for a float64 model), ``chunk`` rows at a time.
+
+    Never holds more than a ``[chunk, vocab]`` float32 logits tensor: under autograd each chunk
+    is recomputed in backward instead of stored.
+    """
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def one(h, t):
+        logits = lm.lm_head(h)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return logits.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    outs = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s : s + chunk], targets[s : s + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            outs.append(torch.utils.checkpoint.checkpoint(one, h, t, use_reentrant=False))
+        else:
+            outs.append(one(h, t))
+    return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)

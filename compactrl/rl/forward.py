@@ -1,0 +1,115 @@
+"""The trainer forward: per-token log-probs of whole compacted rollouts in one pass each.
+
+A stream trace is fed once, at positions = stream index, under the eviction mask; because a
+kept token's K/V were computed with exactly the visibility it had in the engine, this
+reproduces the engine's log-probs. The re-prefill view (one sample per segment, kept tokens
+recomputed at fresh positions) is what other frameworks train on; it is here as the baseline
+and the negative control.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from compactrl.masks import chunked_mask, dense_mask, flex_block_mask, pack, pack_greedy
+from compactrl.models.decoder import CausalLM, token_logprobs
+from compactrl.trace import Trace
+
+Backend = Literal["chunked", "dense", "flex"]
+
+
+def _row_mask(evict_at: torch.Tensor, backend: Backend, chunk: int):
+    if backend == "chunked":
+        return chunked_mask(evict_at, chunk)
+    if backend == "dense":
+        return dense_mask(evict_at)
+    if backend == "flex":
+        return flex_block_mask(evict_at)
+    raise ValueError(f"unknown attention backend {backend!r}; use 'chunked', 'dense' or 'flex'")
+
+
+def stream_logprobs(
+    model: CausalLM,
+    traces: list[Trace],
+    *,
+    backend: Backend = "chunked",
+    chunk: int = 256,
+    max_row_tokens: int | None = None,
+    logits_chunk: int = 1024,
+) -> list[torch.Tensor]:
+    """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
+
+    One forward per row: each trace alone, or several packed into rows of at most
+    ``max_row_tokens`` tokens. ``chunked`` costs T x live-context and has a CPU backward;
+    ``flex`` is the CUDA path (forward-only on CPU); ``dense`` is the T^2 reference.
+    """
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    for t in traces:
+        t.validate(vocab_size=vocab)
+    rows = (
+        [[k] for k in range(len(traces))] if max_row_tokens is None else pack_greedy(traces, max_row_tokens)
+    )
+    out: list[torch.Tensor | None] = [None] * len(traces)
+    for row in rows:
+        packed = pack([traces[k] for k in row], device)
+        mask = _row_mask(packed.evict_at, backend, chunk)
+        hidden = model.hidden_states(packed.tokens, packed.positions, mask)[0]
+        sel_h, sel_t = [], []
+        for s, n in zip(packed.starts, packed.lengths, strict=True):
+            sel_h.append(hidden[s : s + n - 1])
+            sel_t.append(packed.tokens[s + 1 : s + n])
+        lp = token_logprobs(model, torch.cat(sel_h), torch.cat(sel_t), chunk=logits_chunk)
+        offset = 0
+        for k, n in zip(row, packed.lengths, strict=True):
+            out[k] = torch.cat([lp.new_zeros(1), lp[offset : offset + n - 1]])
+            offset += n - 1
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class Segment:
+    """One re-prefill training sample: ``kept`` tokens re-fed, then the segment's new tokens."""
+
+    tokens: np.ndarray  # kept + new
+    stream_index: np.ndarray  # where each token sits in the original stream
+    num_kept: int
+
+
+def reprefill_segments(trace: Trace) -> list[Segment]:
+    """The samples a re-prefill framework trains on for this rollout: one per segment.
+
+    A segment starts at each eviction step ``e``; its sample is the tokens still live at ``e``
+    (re-prefilled at fresh positions) followed by the tokens fed until the next eviction.
+    """
+    bounds = [0] + [e for e, _ in trace.eviction_events()] + [len(trace)]
+    segments = []
+    for e, nxt in zip(bounds[:-1], bounds[1:], strict=True):
+        kept = np.flatnonzero(trace.evict_at[:e] > e)
+        idx = np.concatenate([kept, np.arange(e, nxt)])
+        segments.append(Segment(trace.tokens[idx], idx, len(kept)))
+    return segments
+
+
+def reprefill_logprobs(model: CausalLM, trace: Trace, *, original_positions: bool = False) -> torch.Tensor:
+    """Log-probs of the stream's tokens as re-prefill mode computes them (the negative control).
+
+    Each token ``i`` in a segment is scored from a fresh causal forward over the kept tokens plus
+    the segment so far, at fresh positions (or the original ones). Entry 0 and entries no
+    segment scores (the first token of the first segment) are 0.
+    """
+    device = next(model.parameters()).device
+    out = torch.zeros(len(trace))
+    for seg in reprefill_segments(trace):
+        toks = torch.as_tensor(seg.tokens, device=device)
+        idx = torch.as_tensor(seg.stream_index, device=device)
+        pos = idx if original_positions else torch.arange(len(toks), device=device)
+        hidden = model.hidden_states(toks, pos)[0]
+        first = max(seg.num_kept, 1)
+        lp = token_logprobs(model, hidden[first - 1 : -1], toks[first:])
+        out[seg.stream_index[first:]] = lp.float().cpu()
+    return out
