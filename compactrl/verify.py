@@ -30,6 +30,7 @@ def _import_transformers():
             "pip install 'compactrl[test]' (or pip install transformers)"
         ) from e
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     return transformers
 
 

@@ -6,7 +6,7 @@ import torch
 from conftest import random_stream
 
 from compactrl.masks import dense_mask
-from compactrl.models.decoder import attend
+from compactrl.models.attention import attend
 from compactrl.rl.forward import reprefill_logprobs, reprefill_segments, stream_logprobs
 from compactrl.trace import Trace
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compactrl.masks import chunked_mask, dense_mask, flex_block_mask, pack, pack_greedy
-from compactrl.models.decoder import attend
+from compactrl.models.attention import attend
 
 
 def chunks_to_dense(cm) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compactrl.masks import ChunkedMask
+from compactrl.models.attention import attend
 from compactrl.models.config import ModelConfig, RopeConfig
 
 
@@ -92,43 +92,6 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-
-def attend(q, k, v, mask) -> torch.Tensor:
-    """Scaled dot-product attention under one of the mask forms; q/k/v are ``[B, H, T, D]``."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if isinstance(mask, torch.Tensor):
-        if mask.dim() == 2:
-            mask = mask[None, None]
-        elif mask.dim() == 3:
-            mask = mask[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    if isinstance(mask, ChunkedMask):
-        if q.shape[0] != 1:
-            raise ValueError("a ChunkedMask covers one row; pack streams into a single row (batch 1)")
-        outs = []
-        for c in mask.chunks:
-            kc, vc = k.index_select(2, c.keys), v.index_select(2, c.keys)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, c.q_start : c.q_end], kc, vc, attn_mask=c.mask[None, None], enable_gqa=True
-                )
-            )
-        return torch.cat(outs, dim=2)
-    return _flex(q, k, v, mask)
-
-
-_compiled_flex = None
-
-
-def _flex(q, k, v, block_mask):
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 class MLP(nn.Module):

@@ -1,0 +1,224 @@
+"""The one `compactrl` command. Subcommands parse and check their arguments, then call the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect rollout traces.")
+verify_app = typer.Typer(no_args_is_help=True, help="Numerical checks against an independent oracle.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side in one run).")
+app.add_typer(trace_app, name="trace")
+app.add_typer(verify_app, name="verify")
+app.add_typer(bench_app, name="bench")
+
+out = Console()
+err = Console(stderr=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def emit_json(data: dict, path: Path | None = None) -> None:
+    text = json.dumps(data, indent=2)
+    if path:
+        path.write_text(text + "\n")
+    print(text)
+
+
+@app.command("init-model")
+def init_model(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
+    family: Annotated[str, typer.Option(help="llama | qwen2 | qwen3")] = "qwen3",
+    size: Annotated[str, typer.Option(help="tiny | small | base")] = "tiny",
+    seed: int = 0,
+    vocab_size: Annotated[int, typer.Option(help="Upper bound on the BPE vocabulary.")] = 2048,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing checkpoint.")] = False,
+) -> None:
+    """Write a small random-weight model + locally trained BPE tokenizer (ChatML) in HF format."""
+    from compactrl.models.tiny import SIZES, write_tiny_model
+    from compactrl.verify import FAMILIES
+
+    if family not in FAMILIES:
+        fail(f"--family {family!r} is not one of {list(FAMILIES)}")
+    if size not in SIZES:
+        fail(f"--size {size!r} is not one of {list(SIZES)}")
+    if (out_dir / "config.json").exists() and not force:
+        fail(f"{out_dir} already holds a checkpoint; pass --force to overwrite it")
+    write_tiny_model(out_dir, family=family, size=size, seed=seed, vocab_size=vocab_size)
+    from compactrl.models import load_config
+
+    cfg = load_config(out_dir)
+    out.print(
+        f"wrote {family} ({size}, {cfg.num_parameters():,} parameters, vocab {cfg.vocab_size}) to {out_dir}"
+    )
+
+
+@trace_app.command("show")
+def trace_show(
+    file: Annotated[Path, typer.Argument(help="A traces .jsonl file.")],
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="Model/tokenizer folder, to print text instead of token ids.")
+    ] = None,
+    index: Annotated[int | None, typer.Option(help="Show only this trace of the file.")] = None,
+    at: Annotated[
+        int | None, typer.Option(help="Show exactly what the model saw when it fed token AT.")
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Truncate each stream after this many tokens.")
+    ] = None,
+) -> None:
+    """Print traces with roles, turns, trainable tokens and evicted spans marked."""
+    from compactrl.models.tokenizer import Tokenizer
+    from compactrl.trace import TraceError, load_traces
+    from compactrl.trace_view import TraceViewError, show_traces
+
+    try:
+        traces = load_traces(file)
+        tok = Tokenizer.from_dir(tokenizer) if tokenizer else None
+        if tok is not None:
+            for t in traces:
+                t.validate(vocab_size=tok.vocab_size)
+        show_traces(traces, out, tokenizer=tok, index=index, at=at, max_tokens=max_tokens)
+    except (TraceError, TraceViewError, ValueError) as e:
+        fail(str(e))
+
+
+@verify_app.command("model")
+def verify_model_cmd(
+    model_dir: Annotated[
+        Path | None, typer.Argument(help="A HF checkpoint folder; default: build tiny Llama, Qwen2, Qwen3.")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
+    tolerance: Annotated[
+        float | None, typer.Option(help="Max |logit diff| (default 1e-4 in float32).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Compare our logits with transformers' on the same checkpoint; exit 1 on a mismatch."""
+    import torch
+
+    from compactrl.verify import verify_model
+
+    torch.set_num_threads(1)
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"{model_dir} has no config.json; point at a HF checkpoint folder or omit it")
+    try:
+        result = verify_model(model_dir, dtype=dtype, tolerance=tolerance)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        fail(str(e))
+    if as_json:
+        emit_json(result)
+    else:
+        table = Table("family", "parameters", "max |logit diff| causal", "with eviction mask")
+        for fam, r in result["families"].items():
+            table.add_row(
+                fam,
+                f"{r['parameters']:,}",
+                f"{r['max_abs_logit_diff']:.2e}",
+                f"{r['max_abs_logit_diff_evict_mask']:.2e}",
+            )
+        out.print(table)
+        out.print(
+            ("[green]OK" if result["ok"] else "[red]MISMATCH") + f"[/] (tolerance {result['tolerance']:.0e})"
+        )
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+@bench_app.command("trainer")
+def bench_trainer(
+    model_dir: Annotated[
+        Path | None, typer.Option("--model", help="Checkpoint folder (default: generated).")
+    ] = None,
+    size: Annotated[str, typer.Option(help="Generated model size: tiny | small | base.")] = "base",
+    tokens: Annotated[int, typer.Option(help="Rollout length N (the stream is also timed at 2N).")] = 4096,
+    budget: Annotated[int, typer.Option(help="Live-context budget B.")] = 1024,
+    turn_len: Annotated[int, typer.Option(help="Tokens per turn.")] = 128,
+    strategy: Annotated[
+        list[str] | None, typer.Option(help="sliding_window | markovian | summary (repeatable; default all).")
+    ] = None,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 2,
+    chunk: Annotated[int, typer.Option(help="Query chunk of the stream's chunked attention.")] = 256,
+    output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Forward+backward of one-pass stream training vs re-prefill training, per compaction strategy."""
+    from compactrl.bench.synthetic import STRATEGIES
+    from compactrl.bench.trainer import run_trainer_bench
+    from compactrl.models.tiny import SIZES
+
+    strategies = tuple(strategy or STRATEGIES)
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad:
+        fail(f"--strategy {bad} unknown; choose from {list(STRATEGIES)}")
+    if size not in SIZES:
+        fail(f"--size {size!r} is not one of {list(SIZES)}")
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json")
+    for name, v in (("tokens", tokens), ("budget", budget), ("turn-len", turn_len), ("threads", threads)):
+        if v <= 0:
+            fail(f"--{name} must be positive, got {v}")
+    if tokens < 2 * budget:
+        fail(f"--tokens ({tokens}) must be at least 2 x --budget ({budget}) so that compactions happen")
+    if repeats < 1:
+        fail("--repeats must be at least 1")
+
+    with Progress(
+        TextColumn("bench trainer"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=not sys.stderr.isatty(),
+    ) as bar:  # fmt: skip
+
+        def progress(total: int):
+            task = bar.add_task("runs", total=total)
+            return lambda: bar.advance(task)
+
+        try:
+            result = run_trainer_bench(
+                model_dir, strategies=strategies, n_tokens=tokens, budget=budget, turn_len=turn_len,
+                size=size, threads=threads, repeats=repeats, chunk=chunk, progress=progress,
+            )  # fmt: skip
+        except ValueError as e:
+            fail(str(e))
+    if as_json:
+        emit_json(result, output)
+        return
+    if output:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    m, model = result["machine"], result["model"]
+    out.print(
+        f"{m['cpu']} · {m['threads']} threads · torch {m['torch']} · {model['source']} "
+        f"({model['parameters']:,} params) · N={result['n_tokens']} B={result['budget']}"
+    )
+    table = Table(
+        "strategy", "compactions", "r", "token ratio", "cost model", "time ratio", "time/token", "scaling"
+    )
+    for r in result["strategies"]:
+        table.add_row(
+            r["strategy"],
+            str(r["compactions"]),
+            f"{r['kept_per_compaction']:.0f}",
+            f"{r['token_ratio']:.2f}",
+            f"{r['token_ratio_cost_model']:.2f} - {r['first_segment_correction']:.2f}",
+            f"{r['time_ratio']:.2f}",
+            f"{r['time_ratio'] / r['token_ratio']:.2f}",
+            f"{r['scaling']:.2f}",
+        )
+    out.print(table)
+
+
+if __name__ == "__main__":
+    app()
