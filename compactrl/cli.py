@@ -157,14 +157,11 @@ def bench_trainer(
     as_json: JsonFlag = False,
 ) -> None:
     """Forward+backward of one-pass stream training vs re-prefill training, per compaction strategy."""
-    from compactrl.bench.synthetic import STRATEGIES
+    from compactrl.bench.synthetic import STRATEGIES, check_shape
     from compactrl.bench.trainer import run_trainer_bench
     from compactrl.models.tiny import SIZES
 
     strategies = tuple(strategy or STRATEGIES)
-    bad = [s for s in strategies if s not in STRATEGIES]
-    if bad:
-        fail(f"--strategy {bad} unknown; choose from {list(STRATEGIES)}")
     if size not in SIZES:
         fail(f"--size {size!r} is not one of {list(SIZES)}")
     if model_dir is not None and not (model_dir / "config.json").exists():
@@ -176,6 +173,11 @@ def bench_trainer(
         fail(f"--tokens ({tokens}) must be at least 2 x --budget ({budget}) so that compactions happen")
     if repeats < 1:
         fail("--repeats must be at least 1")
+    try:
+        for s in strategies:
+            check_shape(s, budget, turn_len)
+    except ValueError as e:
+        fail(f"{e} (--strategy / --budget / --turn-len)")
 
     with Progress(
         TextColumn("bench trainer"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -204,7 +206,14 @@ def bench_trainer(
         f"({model['parameters']:,} params) · N={result['n_tokens']} B={result['budget']}"
     )
     table = Table(
-        "strategy", "compactions", "r", "token ratio", "cost model", "time ratio", "time/token", "scaling"
+        "strategy",
+        "compactions",
+        "r",
+        "token ratio",
+        "predicted (N→inf)",
+        "time ratio",
+        "time/token",
+        "scaling",
     )
     for r in result["strategies"]:
         table.add_row(
@@ -212,7 +221,7 @@ def bench_trainer(
             str(r["compactions"]),
             f"{r['kept_per_compaction']:.0f}",
             f"{r['token_ratio']:.2f}",
-            f"{r['token_ratio_cost_model']:.2f} - {r['first_segment_correction']:.2f}",
+            f"{r['token_ratio_predicted']:.2f} ({r['token_ratio_cost_model']:.2f})",
             f"{r['time_ratio']:.2f}",
             f"{r['time_ratio'] / r['token_ratio']:.2f}",
             f"{r['scaling']:.2f}",

@@ -21,6 +21,21 @@ Strategy = Literal["sliding_window", "markovian", "summary"]
 STRATEGIES: tuple[Strategy, ...] = ("sliding_window", "markovian", "summary")
 
 
+def check_shape(
+    strategy: str, budget: int, turn_len: int, system_len: int = 128, summary_len: int = 64
+) -> None:
+    """Refuse shapes whose schedule would degenerate, before any work starts."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    # after a compaction there must be room for a turn (and, for summary, the summary and the next one)
+    if system_len + turn_len + (2 * summary_len if strategy == "summary" else 0) > budget:
+        raise ValueError(
+            f"budget {budget} is too small for {strategy}: it must hold the system prompt ({system_len}), "
+            f"a turn ({turn_len})"
+            + (f" and two summaries ({summary_len} each)" if strategy == "summary" else "")
+        )
+
+
 def synthetic_rollout(
     strategy: Strategy,
     n_tokens: int,
@@ -33,10 +48,7 @@ def synthetic_rollout(
     seed: int = 0,
 ) -> Trace:
     """A stream of exactly ``n_tokens`` tokens whose live context never exceeds ``budget``."""
-    if system_len + turn_len + (summary_len if strategy == "summary" else 0) > budget:
-        raise ValueError("budget must hold the system prompt, one turn and (for summary) the summary")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    check_shape(strategy, budget, turn_len, system_len, summary_len)
     rng = np.random.default_rng(seed)
     T = n_tokens
     evict_at = np.full(T, T, dtype=np.int64)

@@ -8,8 +8,9 @@ the summed log-probs of its policy tokens) two ways, interleaved in one run:
     which is what frameworks that compact by re-prefilling train on.
 
 The cost model says (b) processes ``N + N*r/(B-r)`` tokens for (a)'s ``N`` when every
-compaction keeps ``r`` of a budget ``B``; the realised schedule misses that by exactly the
-first segment, which fills ``B`` without a compaction: ``r*B / ((B-r)*N)``, reported too.
+compaction keeps ``r`` of a budget ``B``. A finite rollout compacts only once the budget is
+first full, so its schedule realises ``N + (N-B)*r/(B-r)``: exactly, when the turns tile the
+budget (sliding window, Markovian); up to a partial segment otherwise (summary).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def bench_strategy(
         "reprefill_tokens": tokens["reprefill"],
         "token_ratio": tokens["reprefill"] / tokens["stream"],
         "token_ratio_cost_model": cost_model,
-        "first_segment_correction": r * B / ((B - r) * N),
+        "token_ratio_predicted": 1 + r * (N - B) / ((B - r) * N),
         "stream_s": med["stream"],
         "reprefill_s": med["reprefill"],
         "time_ratio": med["reprefill"] / med["stream"],
