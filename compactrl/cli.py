@@ -138,6 +138,48 @@ def verify_model_cmd(
         raise typer.Exit(1)
 
 
+@verify_app.command("trainer")
+def verify_trainer_cmd(
+    device: Annotated[
+        str, typer.Option(help="cpu | cuda (flex attention is checked with backward on CUDA).")
+    ] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 | float64 | bfloat16")] = "float32",
+    streams: Annotated[int, typer.Option(help="Randomised streams with several evictions each.")] = 8,
+    length: Annotated[int, typer.Option(help="Tokens per stream.")] = 160,
+    as_json: JsonFlag = False,
+) -> None:
+    """One-pass masked forward (every attention backend) vs a token-by-token evicting KV cache."""
+    import torch
+
+    from compactrl.models.loading import DTYPES
+    from compactrl.verify import verify_trainer
+
+    if dtype not in DTYPES:
+        fail(f"--dtype {dtype!r} is not one of {list(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail("--device cuda but torch sees no CUDA device (is this a CPU build of torch?)")
+    if streams < 1 or length < 16:
+        fail("--streams must be >= 1 and --length >= 16")
+    torch.set_num_threads(1)
+    result = verify_trainer(device, dtype, n_streams=streams, length=length)
+    if as_json:
+        emit_json(result)
+    else:
+        table = Table("backend", "max |logprob diff|", "max rel grad diff vs dense")
+        for b, d in result["max_abs_logprob_diff"].items():
+            g = result["max_rel_grad_diff_vs_dense"].get(b)
+            table.add_row(b, f"{d:.2e}", "-" if g is None else f"{g:.2e}")
+        out.print(table)
+        nc = result["negative_control"]
+        out.print(
+            f"negative controls (must be >= 0.1): causal {nc['causal_diff']:.2f}, "
+            f"re-prefill {nc['reprefill_diff']:.2f}"
+        )
+        out.print("[green]OK" if result["ok"] else "[red]MISMATCH")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("trainer")
 def bench_trainer(
     model_dir: Annotated[
@@ -153,10 +195,17 @@ def bench_trainer(
     threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 2,
     repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 2,
     chunk: Annotated[int, typer.Option(help="Query chunk of the stream's chunked attention.")] = 256,
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
+    backend: Annotated[
+        str, typer.Option(help="Stream attention: chunked (CPU) | flex (CUDA) | dense.")
+    ] = "chunked",
     output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Forward+backward of one-pass stream training vs re-prefill training, per compaction strategy."""
+    import torch
+
     from compactrl.bench.synthetic import STRATEGIES, check_shape
     from compactrl.bench.trainer import run_trainer_bench
     from compactrl.models.tiny import SIZES
@@ -173,6 +222,14 @@ def bench_trainer(
         fail(f"--tokens ({tokens}) must be at least 2 x --budget ({budget}) so that compactions happen")
     if repeats < 1:
         fail("--repeats must be at least 1")
+    if backend not in ("chunked", "flex", "dense"):
+        fail(f"--backend {backend!r} is not one of chunked, flex, dense")
+    if backend == "flex" and not device.startswith("cuda"):
+        fail("--backend flex needs --device cuda: flex attention has no backward on CPU")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail("--device cuda but torch sees no CUDA device (is this a CPU build of torch?)")
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r} is not one of float32, bfloat16")
     try:
         for s in strategies:
             check_shape(s, budget, turn_len)
@@ -191,7 +248,8 @@ def bench_trainer(
         try:
             result = run_trainer_bench(
                 model_dir, strategies=strategies, n_tokens=tokens, budget=budget, turn_len=turn_len,
-                size=size, threads=threads, repeats=repeats, chunk=chunk, progress=progress,
+                size=size, threads=threads, repeats=repeats, chunk=chunk, device=device, dtype=dtype,
+                backend=backend, progress=progress,
             )  # fmt: skip
         except ValueError as e:
             fail(str(e))

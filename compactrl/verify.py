@@ -1,5 +1,6 @@
-"""`compactrl verify model`: our decoder against transformers on the same checkpoint folder.
+"""`compactrl verify model` and `verify trainer`: our numbers against independent oracles.
 
+`verify model`: our decoder against transformers on the same checkpoint folder.
 transformers is the oracle here, never a runtime dependency. Two comparisons per model:
 plain causal logits, and logits under an eviction mask (transformers given the same 4-D
 bool mask and explicit ``position_ids``: its defaults are wrong after an eviction).
@@ -16,7 +17,9 @@ import torch
 from compactrl.masks import dense_mask
 from compactrl.models.config import load_config
 from compactrl.models.loading import config_summary, load_model, resolve_dtype
-from compactrl.models.tiny import write_tiny_model
+from compactrl.models.tiny import init_random, tiny_config, write_tiny_model
+from compactrl.rl.forward import reprefill_logprobs, stream_logprobs
+from compactrl.rl.reference import incremental_logprobs, random_eviction_stream
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -92,4 +95,69 @@ def verify_model(
         "tolerance": tolerance,
         "max_abs_logit_diff": worst,
         "ok": worst <= tolerance,
+    }
+
+
+def _grads(model, traces, backend: str) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    lps = stream_logprobs(model, traces, backend=backend, chunk=48, max_row_tokens=4 * len(traces[0]))
+    loss = sum((lp * torch.as_tensor(t.trainable, device=lp.device)).sum() for lp, t in zip(lps, traces))
+    loss.backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def verify_trainer(
+    device: str = "cpu", dtype: str = "float32", n_streams: int = 8, length: int = 160, seed: int = 0
+) -> dict:
+    """The trainer forward (each attention backend) against a token-by-token evicting KV cache.
+
+    Log-probs of every backend vs the incremental oracle; gradients of each backend vs the dense
+    mask; and the negative controls (plain causal mask, re-prefill of the kept tokens), which
+    must differ by nats, or the check would pass on a model that ignores its context.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    model = init_random(tiny_config("qwen3", vocab_size=300, eos_token_id=[1]), seed=seed)
+    model = model.to(device=device, dtype=torch_dtype)
+    traces = [random_eviction_stream(seed + k, T=length) for k in range(n_streams)]
+    on_cpu = torch.device(device).type == "cpu"
+    flex_ok = not (on_cpu and torch_dtype == torch.float64)  # CPU flex: no float64 kernel
+    backends = ("chunked", "dense", "flex") if flex_ok else ("chunked", "dense")
+    worst = dict.fromkeys(backends, 0.0)
+    causal_diff = reprefill_diff = 0.0
+    for t in traces:
+        ref = incremental_logprobs(model, t).to(device)
+        with torch.no_grad():
+            for b in backends:
+                lp = stream_logprobs(model, [t], backend=b, chunk=48)[0].double()
+                worst[b] = max(worst[b], float((lp - ref)[1:].abs().max()))
+            ids, pos = torch.as_tensor(t.tokens, device=device), torch.arange(len(t), device=device)
+            causal = torch.log_softmax(model(ids, pos)[0].double(), -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+            fresh = reprefill_logprobs(model, t).to(device).double()
+        after = torch.as_tensor(t.live_counts() <= np.arange(len(t)), device=device)[
+            :-1
+        ]  # query saw an eviction
+        causal_diff = max(causal_diff, float((causal - ref[1:])[after].abs().max()))
+        reprefill_diff = max(reprefill_diff, float((fresh - ref)[1:][after].abs().max()))
+    dense = _grads(model, traces, "dense")
+    grad_diff = {}
+    for b in ("chunked",) if on_cpu else ("chunked", "flex"):  # flex has no CPU backward
+        g = _grads(model, traces, b)
+        grad_diff[b] = max(
+            float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(g, dense)
+        )
+    tol, grad_tol = {torch.float64: (1e-9, 1e-9), torch.float32: (5e-5, 1e-3)}.get(torch_dtype, (0.15, 0.1))
+    ok = max(worst.values()) <= tol and max(grad_diff.values()) <= grad_tol
+    ok = ok and min(causal_diff, reprefill_diff) >= 0.1
+    return {
+        "device": str(device),
+        "dtype": dtype,
+        "streams": n_streams,
+        "tokens_per_stream": length,
+        "evictions": sum(len(t.eviction_events()) for t in traces),
+        "max_abs_logprob_diff": {b: worst[b] for b in backends},
+        "max_rel_grad_diff_vs_dense": grad_diff,
+        "negative_control": {"causal_diff": causal_diff, "reprefill_diff": reprefill_diff},
+        "tolerance": tol,
+        "grad_tolerance": grad_tol,
+        "ok": ok,
     }

@@ -6,39 +6,9 @@ import torch
 from conftest import random_stream
 
 from compactrl.masks import dense_mask
-from compactrl.models.attention import attend
 from compactrl.rl.forward import reprefill_logprobs, reprefill_segments, stream_logprobs
+from compactrl.rl.reference import incremental_logprobs
 from compactrl.trace import Trace
-
-
-@torch.no_grad()
-def incremental_logprobs(lm, trace: Trace) -> torch.Tensor:
-    """An independent reference: feed one token at a time into per-layer K/V lists and drop the
-    entries each eviction removes, exactly as an engine with in-place eviction does."""
-    T = len(trace)
-    tokens = torch.as_tensor(trace.tokens)
-    cache = [{} for _ in lm.model.layers]  # layer -> {stream index: (k, v)}
-    out = torch.zeros(T, dtype=torch.float64)
-    for i in range(T):
-        for layer_cache in cache:
-            for j in [j for j in layer_cache if trace.evict_at[j] <= i]:
-                del layer_cache[j]
-        x = lm.model.embed_tokens(tokens[i : i + 1])[None]
-        cos, sin = lm.rope(torch.tensor([[i]]), x.dtype)
-        for layer, layer_cache in zip(lm.model.layers, cache):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-            layer_cache[i] = (k, v)
-            keys = sorted(layer_cache)
-            K = torch.cat([layer_cache[j][0] for j in keys], dim=2)
-            V = torch.cat([layer_cache[j][1] for j in keys], dim=2)
-            a = attend(q, K, V, torch.ones(1, len(keys), dtype=torch.bool))
-            x = x + attn.o_proj(a.transpose(1, 2).reshape(1, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i + 1 < T:
-            logits = lm.lm_head(lm.model.norm(x))[0, 0].double()
-            out[i + 1] = torch.log_softmax(logits, -1)[tokens[i + 1]]
-    return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -132,3 +102,17 @@ def test_vocab_mismatch_is_a_clear_error(tiny_lm):
     trace = Trace.from_tokens([1, 2, 5000])
     with pytest.raises(ValueError, match="vocab_size"):
         stream_logprobs(tiny_lm, [trace])
+
+
+def test_verify_trainer_passes_and_its_controls_bite():
+    from compactrl.verify import verify_trainer
+
+    r = verify_trainer(n_streams=3)
+    assert r["ok"] and r["evictions"] >= 6
+    assert max(r["max_abs_logprob_diff"].values()) < 5e-5
+    assert min(r["negative_control"].values()) > 0.1
+
+
+def test_flex_refuses_backward_on_cpu(tiny_lm):
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        stream_logprobs(tiny_lm, [random_stream(0, T=40)], backend="flex")[0].sum().backward()

@@ -31,11 +31,11 @@ from compactrl.bench.synthetic import STRATEGIES, Strategy, kept_per_compaction,
 from compactrl.models.decoder import CausalLM, token_logprobs
 from compactrl.models.loading import config_summary, load_model
 from compactrl.models.tiny import write_tiny_model
-from compactrl.rl.forward import Segment, reprefill_segments, stream_logprobs
+from compactrl.rl.forward import Backend, Segment, reprefill_segments, stream_logprobs
 from compactrl.trace import Trace
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, device: str = "cpu") -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,13 +50,13 @@ def machine_info(threads: int) -> dict:
         "threads": threads,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": "cpu",
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
     }
 
 
-def stream_step(model: CausalLM, trace: Trace, chunk: int) -> int:
-    lp = stream_logprobs(model, [trace], chunk=chunk)[0]
-    (-(lp * torch.as_tensor(trace.trainable)).sum()).backward()
+def stream_step(model: CausalLM, trace: Trace, chunk: int, backend: Backend = "chunked") -> int:
+    lp = stream_logprobs(model, [trace], chunk=chunk, backend=backend)[0]
+    (-(lp * torch.as_tensor(trace.trainable, device=lp.device)).sum()).backward()
     return len(trace)
 
 
@@ -65,14 +65,15 @@ def reprefill_step(model: CausalLM, trace: Trace, max_batch_tokens: int) -> int:
     by_len: dict[int, list[Segment]] = defaultdict(list)
     for seg in reprefill_segments(trace):
         by_len[len(seg.tokens)].append(seg)
-    trainable = torch.as_tensor(trace.trainable)
+    device = next(model.parameters()).device
+    trainable = torch.as_tensor(trace.trainable, device=device)
     fed = 0
     for length, segs in by_len.items():
         per_batch = max(1, max_batch_tokens // length)
         for b in range(0, len(segs), per_batch):
             batch = segs[b : b + per_batch]
-            ids = torch.as_tensor(np.stack([s.tokens for s in batch]))
-            hidden = model.hidden_states(ids, torch.arange(length).expand(len(batch), -1))
+            ids = torch.as_tensor(np.stack([s.tokens for s in batch]), device=device)
+            hidden = model.hidden_states(ids, torch.arange(length, device=device).expand(len(batch), -1))
             hs, ts, ws = [], [], []
             for row, s in enumerate(batch):
                 first = max(s.num_kept, 1)
@@ -87,8 +88,11 @@ def reprefill_step(model: CausalLM, trace: Trace, max_batch_tokens: int) -> int:
 
 def timed(fn: Callable[[], int], model: CausalLM) -> tuple[float, int]:
     model.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     n = fn()
+    sync()
     return time.perf_counter() - t0, n
 
 
@@ -102,6 +106,7 @@ def bench_strategy(
     repeats: int,
     chunk: int,
     max_batch_tokens: int,
+    backend: Backend = "chunked",
     advance: Callable[[], None] = lambda: None,
 ) -> dict:
     vocab = model.config.vocab_size
@@ -110,13 +115,15 @@ def bench_strategy(
     trace2 = synthetic_rollout(strategy, 2 * n_tokens, **shape)
     kept = kept_per_compaction(trace)
     runs = {
-        "stream": lambda: stream_step(model, trace, chunk),
+        "stream": lambda: stream_step(model, trace, chunk, backend),
         "reprefill": lambda: reprefill_step(model, trace, max_batch_tokens),
-        "stream_2n": lambda: stream_step(model, trace2, chunk),
+        "stream_2n": lambda: stream_step(model, trace2, chunk, backend),
     }
     times: dict[str, list[float]] = defaultdict(list)
     tokens: dict[str, int] = {}
-    timed(runs["stream"], model)  # warm-up (allocator, first-call overheads)
+    timed(runs["stream"], model)  # warm-up (allocator, first-call overheads, flex compiles)
+    if backend == "flex":
+        timed(runs["stream_2n"], model)
     advance()
     for _ in range(repeats):  # interleaved, so machine drift hits all three alike
         for name, fn in runs.items():
@@ -156,13 +163,16 @@ def run_trainer_bench(
     repeats: int = 2,
     chunk: int = 256,
     max_batch_tokens: int = 8192,
+    device: str = "cpu",
+    dtype: str = "float32",
+    backend: Backend = "chunked",
     progress: Callable[[int], Callable[[], None]] | None = None,
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_dir or write_tiny_model(Path(tmp) / "model", family="qwen3", size=size)
-        model = load_model(folder).train()
+        model = load_model(folder, dtype=dtype, device=device).train()
     advance = progress(len(strategies) * (1 + 3 * repeats)) if progress else (lambda: None)
     rows = [
         bench_strategy(
@@ -174,16 +184,18 @@ def run_trainer_bench(
             repeats=repeats,
             chunk=chunk,
             max_batch_tokens=max_batch_tokens,
+            backend=backend,
             advance=advance,
         )
         for s in strategies
     ]
     return {
         "benchmark": "trainer",
-        "machine": machine_info(threads),
+        "machine": machine_info(threads, device),
         "model": config_summary(model.config)
         | {"source": str(model_dir) if model_dir else f"tiny qwen3 {size}"},
-        "dtype": "float32",
+        "dtype": dtype,
+        "stream_backend": backend,
         "n_tokens": n_tokens,
         "budget": budget,
         "turn_len": turn_len,

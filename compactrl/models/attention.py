@@ -72,6 +72,11 @@ _compiled_flex = None
 
 def _flex(q, k, v, block_mask):
     global _compiled_flex
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise ValueError("flex attention has no backward on CPU; train with backend='chunked' there")
+        if q.dtype == torch.float64:
+            raise ValueError("flex attention on CPU supports float32/bfloat16/float16, not float64")
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 

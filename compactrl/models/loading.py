@@ -12,7 +12,12 @@ from safetensors.torch import save_file
 from compactrl.models.config import ModelConfig, load_config
 from compactrl.models.decoder import CausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
