@@ -8,7 +8,8 @@ the summed log-probs of its policy tokens) two ways, interleaved in one run:
     which is what frameworks that compact by re-prefilling train on.
 
 The cost model says (b) processes ``N + N*r/(B-r)`` tokens for (a)'s ``N`` when every
-compaction keeps ``r`` of a budget ``B``. A finite rollout compacts only once the budget is
+compaction keeps ``r`` of a budget ``B`` (the live context at which compactions fire,
+``budget_realised``: the budget, or less when turns do not tile it). A finite rollout compacts only once the budget is
 first full, so its schedule realises ``N + (N-B)*r/(B-r)``: exactly, when the turns tile the
 budget (sliding window, Markovian); up to a partial segment otherwise (summary).
 """
@@ -131,12 +132,14 @@ def bench_strategy(
             times[name].append(t)
             advance()
     med = {k: statistics.median(v) for k, v in times.items()}
-    N, B = n_tokens, budget
+    # B is the live context at which compactions actually fire (<= the budget when turns don't tile it)
+    N, B = n_tokens, int(trace.live_counts().max())
     r = statistics.mean(kept) if kept else 0.0
     cost_model = 1 + r / (B - r)
     return {
         "strategy": strategy,
         "compactions": len(kept),
+        "budget_realised": B,
         "kept_per_compaction": r,
         "stream_tokens": tokens["stream"],
         "reprefill_tokens": tokens["reprefill"],
