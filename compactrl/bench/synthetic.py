@@ -57,7 +57,7 @@ def synthetic_rollout(
     turn = np.zeros(T, dtype=np.int32)
     segment = np.zeros(T, dtype=np.int32)
     live: list[tuple[int, int]] = []  # (start, end) of live turns and summaries, oldest first
-    pos, k, seg = system_len, 0, 0
+    pos, k, seg = system_len, 1, 0  # turn 0 is the system prompt
     user_len = max(1, turn_len // 4)
 
     def live_size() -> int:
