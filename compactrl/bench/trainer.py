@@ -9,9 +9,10 @@ the summed log-probs of its policy tokens) two ways, interleaved in one run:
 
 The cost model says (b) processes ``N + N*r/(B-r)`` tokens for (a)'s ``N`` when every
 compaction keeps ``r`` of a budget ``B`` (the live context at which compactions fire,
-``budget_realised``: the budget, or less when turns do not tile it). A finite rollout compacts only once the budget is
-first full, so its schedule realises ``N + (N-B)*r/(B-r)``: exactly, when the turns tile the
-budget (sliding window, Markovian); up to a partial segment otherwise (summary).
+``budget_realised``: the budget, or less when turns do not tile it). A finite rollout
+compacts only once the budget is first full, so its schedule realises
+``N + (N-B)*r/(B-r)``: exactly when the turns tile the budget (sliding window, Markovian),
+up to a partial segment otherwise (summary).
 """
 
 from __future__ import annotations
