@@ -57,7 +57,7 @@ def chunked_mask(evict_at: torch.Tensor, chunk: int = 256) -> ChunkedMask:
     chunks = []
     for q0 in range(0, T, chunk):
         q1 = min(q0 + chunk, T)
-        keys = torch.nonzero((idx[:q1] <= q1 - 1) & (evict_at[:q1] > q0)).squeeze(1)
+        keys = torch.nonzero(evict_at[:q1] > q0).squeeze(1)  # fed by the chunk's end, live at its start
         q = idx[q0:q1, None]
         mask = (keys[None, :] <= q) & (q < evict_at[keys][None, :])
         chunks.append(AttentionChunk(q0, q1, keys, mask))

@@ -116,3 +116,18 @@ def test_verify_trainer_passes_and_its_controls_bite():
 def test_flex_refuses_backward_on_cpu(tiny_lm):
     with pytest.raises(ValueError, match="no backward on CPU"):
         stream_logprobs(tiny_lm, [random_stream(0, T=40)], backend="flex")[0].sum().backward()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
+    trace = random_stream(9, T=100)
+    grads = []
+    for ckpt in (False, True):
+        tiny_lm.zero_grad()
+        tiny_lm.gradient_checkpointing = ckpt
+        lp = stream_logprobs(tiny_lm, [trace], chunk=16)[0]
+        lp[torch.as_tensor(trace.trainable)].sum().backward()
+        grads.append([p.grad.clone() for p in tiny_lm.parameters()])
+    tiny_lm.gradient_checkpointing = False
+    tiny_lm.zero_grad()
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)

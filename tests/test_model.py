@@ -28,11 +28,12 @@ def test_logits_match_transformers(tmp_path, family):
     assert r["max_abs_logit_diff_evict_mask"] < 1e-4
 
 
-def test_tied_llama_and_linear_rope_match_transformers(tmp_path):
+def test_tied_biased_llama_with_linear_rope_matches_transformers(tmp_path):
     pytest.importorskip("transformers")
     from compactrl.models.config import RopeConfig
 
-    write(tmp_path, "llama", tie_word_embeddings=True, rope=RopeConfig(rope_type="linear", factor=2.0))
+    rope = RopeConfig(rope_type="linear", factor=2.0)
+    write(tmp_path, "llama", tie_word_embeddings=True, rope=rope, attention_bias=True, mlp_bias=True)
     r = compare_with_transformers(tmp_path)
     assert max(r["max_abs_logit_diff"], r["max_abs_logit_diff_evict_mask"]) < 1e-4
 
@@ -41,6 +42,14 @@ def test_verify_command_builds_all_three_families():
     pytest.importorskip("transformers")
     out = verify_model()
     assert set(out["families"]) == {"llama", "qwen2", "qwen3"} and out["ok"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_parameter_count_is_exact(family, bias):
+    extra = {"attention_bias": bias, "mlp_bias": bias} if family == "llama" else {}
+    cfg = tiny_config(family, vocab_size=300, **extra)
+    assert cfg.num_parameters() == sum(p.numel() for p in init_random(cfg).parameters())
 
 
 def test_bfloat16_is_close_to_float32(tmp_path):

@@ -74,7 +74,10 @@ class ModelConfig(BaseModel):
         d, f, L, V = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         hq, hkv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attn = d * hq + 2 * d * hkv + hq * d
-        per_layer = attn + 3 * d * f + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        if self.attention_bias or self.qkv_bias:
+            attn += hq + 2 * hkv + (d if self.attention_bias else 0)
+        mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
         return V * d * (1 if self.tie_word_embeddings else 2) + L * per_layer + d
 
     # ---- HF config.json ---------------------------------------------------------------
