@@ -98,10 +98,13 @@ def test_dense_mask_is_the_invariant():
             assert bool(m[i, j]) == (j <= i < int(ev[j]))
 
 
-def test_vocab_mismatch_is_a_clear_error(tiny_lm):
-    trace = Trace.from_tokens([1, 2, 5000])
+def test_bad_traces_are_clear_errors(tiny_lm):
     with pytest.raises(ValueError, match="vocab_size"):
-        stream_logprobs(tiny_lm, [trace])
+        stream_logprobs(tiny_lm, [Trace.from_tokens([1, 2, 5000])])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        stream_logprobs(tiny_lm, [Trace.from_tokens([1] * (tiny_lm.config.max_position_embeddings + 1))])
+    with pytest.raises(ValueError, match="has 0 tokens"):
+        stream_logprobs(tiny_lm, [Trace.from_tokens([])])
 
 
 def test_verify_trainer_passes_and_its_controls_bite():

@@ -48,9 +48,14 @@ def stream_logprobs(
     ``flex`` is the CUDA path (forward-only on CPU); ``dense`` is the T^2 reference.
     """
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
+    cfg = model.config
     for t in traces:
-        t.validate(vocab_size=vocab)
+        t.validate(vocab_size=cfg.vocab_size)
+        if not 0 < len(t) <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"trace {t.rollout_id!r} has {len(t)} tokens; the model takes 1 to "
+                f"max_position_embeddings = {cfg.max_position_embeddings} positions"
+            )
     rows = (
         [[k] for k in range(len(traces))] if max_row_tokens is None else pack_greedy(traces, max_row_tokens)
     )
