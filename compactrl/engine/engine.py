@@ -1,0 +1,344 @@
+"""The inference engine: many sessions, one batched forward per step, KV evicted in place.
+
+Each :meth:`Engine.step` (1) applies evictions that are due, (2) samples the next token of
+every generating session from the logits of its last fed token, (3) picks the tokens to feed
+(decode tokens first, then prefill chunks, within ``max_step_tokens`` and the KV pool),
+preempting the most recently admitted sessions when the pool is full, and (4) runs one forward.
+
+Preemption drops a session's KV; it resumes by recomputing its whole stream under its eviction
+mask (:func:`~compactrl.engine.runner.prefill_stream`), which reproduces the dropped K/V exactly.
+
+Weights: :meth:`update_weights` swaps weights in flight and keeps every session's KV, so tokens
+fed before the update keep old-weight K/V (PipelineRL-style staleness); a session preempted
+after an update is recomputed with the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from compactrl.engine.kv_cache import KVCache, Segment
+from compactrl.engine.runner import Feed, forward_step, prefill_stream
+from compactrl.engine.sampling import Sampler, find_stop
+from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError
+from compactrl.models.decoder import CausalLM
+from compactrl.models.loading import load_model
+from compactrl.models.tokenizer import Tokenizer
+
+
+def _locate(sorted_idx: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of ``idx`` in the sorted array, and which of them are present."""
+    pos = np.searchsorted(sorted_idx, idx)
+    if not len(sorted_idx):
+        return pos, np.zeros(len(idx), dtype=bool)
+    return pos, (pos < len(sorted_idx)) & (sorted_idx[np.minimum(pos, len(sorted_idx) - 1)] == idx)
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kv_pool_tokens: int = Field(65536, gt=0, description="KV pool shared by all sessions, in tokens")
+    max_step_tokens: int = Field(1024, gt=0, description="tokens fed per step (decode + prefill chunks)")
+    block_size: int = Field(1, gt=0, description="KV accounting granularity per row (1 = token-exact)")
+    compact_holes: float = Field(0.25, gt=0, le=1, description="compact a row when this share is holes")
+
+
+class Engine:
+    def __init__(
+        self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        p = next(model.parameters())
+        self.kv = KVCache(model.config, p.dtype, p.device)
+        self.sampler = Sampler()
+        self.sessions: list[Session] = []
+        self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
+        self.segments: set[Segment] = set()
+        self.tick = 0
+        self.totals = {"steps": 0, "forward_s": 0.0, "peak_kv_tokens": 0}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, dtype="float32", device="cpu", config=None) -> Engine:
+        return cls(load_model(model_dir, dtype=dtype, device=device), Tokenizer.from_dir(model_dir), config)
+
+    # ---- facts ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.tokenizer.eos_token_ids if self.tokenizer else list(self.model.config.eos_token_id)
+
+    def _blocks(self, n: int) -> int:
+        b = self.config.block_size
+        return -(-n // b) * b
+
+    def kv_tokens_used(self) -> int:
+        """Pool usage: every resident row (live entries + holes) and every shared prefix, once."""
+        rows = sum(self._blocks(self.kv.used[s.row]) for s in self.sessions if s.row is not None)
+        return rows + sum(self._blocks(seg.n) for seg in self.segments)
+
+    # ---- sessions --------------------------------------------------------------------------
+    def session(self, rollout_id: str | None = None) -> Session:
+        s = Session(self, rollout_id)
+        self.sessions.append(s)
+        return s
+
+    def wake(self, s: Session) -> None:
+        self.active[s] = None
+
+    def check_fits(self, s: Session, more: int) -> None:
+        need = self._blocks(s.live + more)
+        if need > self.config.kv_pool_tokens:
+            raise SessionError(
+                f"session {s.id} would need {need} KV tokens (live {s.live} + {more}) but the pool holds "
+                f"{self.config.kv_pool_tokens}; raise kv_pool_tokens or evict/compact first"
+            )
+
+    def fork(self, parent: Session, rollout_id: str | None) -> Session:
+        child = self.session(rollout_id)
+        for name in RECORD_FIELDS:
+            setattr(child, name, list(getattr(parent, name)))
+        child.fed, child.live, child._seg, child._new_segment = (
+            parent.fed,
+            parent.live,
+            parent._seg,
+            parent._new_segment,
+        )
+        child.drops = type(parent.drops)((e, list(idx)) for e, idx in parent.drops)
+        child.pending_logits = None if parent.pending_logits is None else parent.pending_logits.clone()
+        if parent.row is not None:  # freeze the parent's row into a prefix both of them read
+            seg = Segment(parent.row, parent.own_stream.copy(), refs=2)
+            self.segments.add(seg)
+            mask = self.kv.valid[parent.row, : seg.n].clone()
+            for g, _ in parent.chain:
+                g.refs += 1  # the child's reference to the parent's older prefixes
+            child.chain = [(g, m.clone()) for g, m in parent.chain] + [(seg, mask.clone())]
+            parent.chain = parent.chain + [(seg, mask)]
+            for s in (parent, child):
+                s.own_stream = np.zeros(0, dtype=np.int64)
+                s.row = self.kv.alloc()
+                s.admitted_at = self.tick
+        for s in (parent, child):
+            if s.busy:
+                self.wake(s)
+        return child
+
+    def release(self, s: Session) -> None:
+        """Drop a session's KV (close or preemption); shared prefixes go when their last reader does."""
+        if s.row is not None:
+            self.kv.release(s.row)
+            s.row = None
+        for seg, _ in s.chain:
+            seg.refs -= 1
+            if seg.refs == 0:
+                self.kv.release(seg.row)
+                self.segments.discard(seg)
+        s.chain = []
+        s.own_stream = np.zeros(0, dtype=np.int64)
+        self.active.pop(s, None)
+
+    # ---- KV bookkeeping --------------------------------------------------------------------
+    def _apply_drops(self, s: Session) -> None:
+        """Clear the KV of evictions that are due (fed == e); a non-resident session keeps them
+        pending until its recompute has put those tokens back."""
+        while s.row is not None and s.drops and s.drops[0][0] == s.fed:
+            _, idx = s.drops.popleft()
+            idx = np.asarray(idx)
+            pos, mine = _locate(s.own_stream, idx)
+            if mine.any():
+                self.kv.valid[s.row, torch.as_tensor(pos[mine])] = False
+            for j in idx[~mine]:
+                for seg, mask in s.chain:
+                    p, found = _locate(seg.stream_index, np.array([j]))
+                    if found[0]:
+                        mask[int(p[0])] = False
+                        break
+                else:
+                    raise AssertionError(f"session {s.id}: token {j} is live but not in its KV")
+
+    def _preempt_one(self, keep: set[Session]) -> bool:
+        victims = [s for s in self.sessions if s.row is not None and s not in keep and not s.closed]
+        if not victims:
+            return False
+        v = max(victims, key=lambda s: s.admitted_at)
+        self.release(v)
+        v.metrics.preemptions += 1
+        if v.busy:
+            self.wake(v)
+        return True
+
+    def _make_room(self, need: int, keep: set[Session]) -> bool:
+        while self.kv_tokens_used() + need > self.config.kv_pool_tokens:
+            if not self._preempt_one(keep):
+                return False
+        return True
+
+    def _restore(self, s: Session) -> None:
+        """Give a non-resident session a row: empty if nothing was fed, else recompute its stream."""
+        s.row = self.kv.alloc()
+        s.admitted_at = self.tick
+        if s.fed == 0:
+            return
+        T = s.fed
+        ev = torch.tensor([T if e is None or e >= T else e for e in s.evict_at[:T]])
+        ks, vs, logits = prefill_stream(self.model, s.tokens[:T], ev)
+        # live now: never evicted, evicted later than T, or evicted at T by a drop still pending
+        pending = {j for e, idx in s.drops if e == T for j in idx}
+        alive = [j for j, e in enumerate(s.evict_at[:T]) if e is None or e > T or j in pending]
+        keep = torch.tensor(alive, dtype=torch.long)
+        start = self.kv.append(s.row, len(keep))
+        for li in range(self.kv.n_layers):
+            self.kv.k[li][s.row, :, start : start + len(keep)] = ks[li].index_select(1, keep)
+            self.kv.v[li][s.row, :, start : start + len(keep)] = vs[li].index_select(1, keep)
+        s.own_stream = keep.numpy().astype(np.int64)
+        s.pending_logits = logits
+        s.metrics.reprefilled_tokens += T
+
+    def _claim(self, s: Session, n: int) -> int:
+        if self.kv.holes(s.row) > max(32, self.config.compact_holes * self.kv.used[s.row]):
+            keep = self.kv.compact(s.row)
+            s.own_stream = s.own_stream[keep.numpy()]
+        start = self.kv.append(s.row, n)
+        s.own_stream = np.concatenate([s.own_stream, np.arange(s.fed, s.fed + n)])
+        return start
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _sample(self, ready: list[Session]) -> None:
+        gens: list[Generation] = [s.generation for s in ready]
+        logits = torch.stack([s.pending_logits for s in ready])
+        out = self.sampler.sample(logits, [g.params for g in gens], [g.generator for g in gens])
+        for k, (s, g) in enumerate(zip(ready, gens, strict=True)):
+            tok, lp = int(out.tokens[k]), float(out.logprobs[k])
+            mlp = float(out.model_logprobs[k]) if out.model_logprobs is not None else None
+            s._extend([tok], role=g.role, turn=g.turn, lp=lp, model_lp=mlp)
+            s.pending_logits = None
+            g.tokens.append(tok)
+            g.logprobs.append(lp)
+            s.metrics.decode_tokens += 1
+            if tok in g.stop_ids:
+                g._finish("stop")
+            elif g.params.stop and find_stop(self._tail_text(g), g.params.stop) is not None:
+                g._finish("stop")
+            elif len(g.tokens) >= g.params.max_tokens:
+                g._finish("length")
+
+    def _tail_text(self, g: Generation) -> str:
+        width = max(len(x) for x in g.params.stop) + 8
+        return self.tokenizer.decode(g.tokens[-width:])
+
+    def step(self) -> int:
+        """One batched forward over the active sessions; returns the number of tokens fed."""
+        self.tick += 1
+        for s in list(self.active):
+            self._apply_drops(s)
+        ready = [s for s in self.active if s.generating and s.unfed == 0 and s.pending_logits is not None]
+        if ready:
+            self._sample(ready)
+        feeds: list[Feed] = []
+        picked: set[Session] = set()
+        budget = self.config.max_step_tokens
+        # generating sessions first (one token each), then prefill chunks in arrival order
+        order = sorted(self.active, key=lambda s: not s.generating)
+        for s in order:
+            if budget <= 0:
+                break
+            if s.unfed == 0:
+                continue
+            if s.row is None:  # new or preempted: (re)admit it, recomputing what it had fed
+                if not self._make_room(self._blocks(s.live), picked | {s}):
+                    continue
+                self._restore(s)
+                self._apply_drops(s)
+            limit = s.drops[0][0] - s.fed if s.drops else s.unfed  # an eviction splits the chunk
+            n = min(s.unfed, limit, budget)
+            used = self.kv.used[s.row]
+            if not self._make_room(self._blocks(used + n) - self._blocks(used), picked | {s}):
+                continue
+            entry = self._claim(s, n)
+            done = s.fed + n == len(s.tokens)
+            feeds.append(Feed(s, s.tokens[s.fed : s.fed + n], s.fed, entry, s.row, s.chain, logits=done))
+            picked.add(s)
+            budget -= n
+        if feeds:
+            t0 = time.perf_counter()
+            logits = forward_step(self.model, self.kv, feeds)
+            self.totals["forward_s"] += time.perf_counter() - t0
+            for i, f in enumerate(feeds):
+                s = f.session
+                if s.generating and f.n == 1:
+                    s.metrics.kv_reads += s.live
+                else:
+                    s.metrics.prefill_tokens += f.n
+                s.fed += f.n
+                if i in logits:
+                    s.pending_logits = logits[i]
+                self._apply_drops(s)
+        self.totals["steps"] += 1
+        self.totals["peak_kv_tokens"] = max(self.totals["peak_kv_tokens"], self.kv_tokens_used())
+        for s in list(self.active):
+            if not s.busy:
+                del self.active[s]
+        if not feeds and not ready and self.active:
+            stuck = ", ".join(s.id for s in self.active)
+            raise RuntimeError(f"no progress possible for sessions {stuck}: the KV pool cannot hold them")
+        return sum(f.n for f in feeds)
+
+    def run(self, until: list[Generation] | None = None) -> None:
+        """Step until every session is idle (or the given generations are done)."""
+        while self.active and not (until is not None and all(g.done for g in until)):
+            self.step()
+
+    async def serve(self, idle_sleep: float = 0.001) -> None:
+        """Drive the engine from an asyncio loop: agents ``await session.agenerate(...)`` meanwhile."""
+        while True:
+            if self.active:
+                self.step()
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(idle_sleep)
+
+    # ---- weights and metrics -----------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load new weights in flight; live sessions keep their (old-weight) KV."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(state_dict) - set(params) - {"lm_head.weight"})
+        if unknown:
+            raise ValueError(f"update_weights got unknown tensors {unknown[:5]}")
+        for name, t in state_dict.items():
+            if name not in params:
+                continue
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}")
+            params[name].copy_(t)
+
+    def metrics(self) -> dict:
+        per = [asdict(s.metrics) for s in self.sessions]
+        total = {k: sum(m[k] for m in per) for k in per[0]} if per else {}
+        total.pop("peak_live_kv", None)
+        fed = total.get("prefill_tokens", 0) + total.get("decode_tokens", 0)
+        return {
+            **total,
+            "sessions": len(self.sessions),
+            "live_kv_tokens": sum(s.live for s in self.sessions if not s.closed),
+            "kv_tokens_used": self.kv_tokens_used(),
+            "peak_kv_tokens": self.totals["peak_kv_tokens"],
+            "kv_bytes_allocated": self.kv.nbytes(),
+            "steps": self.totals["steps"],
+            "tokens_per_s": fed / self.totals["forward_s"] if self.totals["forward_s"] else 0.0,
+        }

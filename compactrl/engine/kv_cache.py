@@ -1,0 +1,130 @@
+"""KV storage with in-place eviction: one contiguous row per resident session.
+
+Each layer holds ``k, v: [rows, kv_heads, capacity, head_dim]``; a session's row stores the
+RoPE'd K/V of its tokens in stream order. Evicting a token clears its ``valid`` bit (O(1), no
+data moves); a row is compacted lazily, when holes pile up or it must grow. Contiguous rows
+keep batched decode a plain strided SDPA (gather-based paging is 4-20x slower on CPU).
+
+A row can also be frozen into a shared :class:`Segment` when a session forks: parent and child
+then both read it as a prefix (each with its own valid bits), and continue in rows of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from compactrl.models.config import ModelConfig
+
+
+@dataclass(eq=False)
+class Segment:
+    """A frozen, shared prefix: ``n`` entries of a row, holding stream indices ``stream_index``."""
+
+    row: int
+    stream_index: np.ndarray
+    parent: Segment | None = None
+    refs: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.stream_index)
+
+
+class KVCache:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, rows: int = 4, capacity: int = 256
+    ):
+        self.n_layers, self.n_kv, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.dtype, self.device = dtype, device
+        self.max_capacity = cfg.max_position_embeddings
+        self.k = [self._zeros(rows, capacity) for _ in range(self.n_layers)]
+        self.v = [self._zeros(rows, capacity) for _ in range(self.n_layers)]
+        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        self.used = [0] * rows  # entries written per row (live + holes)
+        self.free = list(range(rows - 1, -1, -1))
+
+    def _zeros(self, rows: int, capacity: int) -> torch.Tensor:
+        return torch.zeros(rows, self.n_kv, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def nbytes(self) -> int:
+        return 2 * sum(t.numel() * t.element_size() for t in self.k) + self.valid.numel()
+
+    # ---- rows ---------------------------------------------------------------------------
+    def alloc(self) -> int:
+        if not self.free:
+            self._resize(2 * self.rows, self.capacity)
+        return self.free.pop()
+
+    def release(self, row: int) -> None:
+        self.valid[row, : self.used[row]] = False
+        self.used[row] = 0
+        self.free.append(row)
+
+    def reserve(self, row: int, n: int) -> None:
+        """Make room for ``n`` more entries in ``row`` (growing every row's capacity if needed)."""
+        need = self.used[row] + n
+        if need > self.capacity:
+            cap = self.capacity
+            while cap < need:
+                cap *= 2
+            self._resize(self.rows, min(max(cap, need), max(self.max_capacity, need)))
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        r, c = self.rows, self.capacity
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                new = self._zeros(rows, capacity)
+                new[:r, :, :c] = old
+                store[i] = new
+        valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
+        valid[:r, :c] = self.valid
+        self.valid = valid
+        self.free = list(range(rows - 1, r - 1, -1)) + self.free
+        self.used += [0] * (rows - r)
+
+    def append(self, row: int, n: int) -> int:
+        """Claim ``n`` new entries at the end of ``row``; returns the first entry index."""
+        self.reserve(row, n)
+        start = self.used[row]
+        self.used[row] += n
+        self.valid[row, start : start + n] = True
+        return start
+
+    def holes(self, row: int) -> int:
+        return self.used[row] - int(self.valid[row, : self.used[row]].sum())
+
+    def compact(self, row: int) -> torch.Tensor:
+        """Move the row's live entries to its front (order kept); returns their old entry indices."""
+        keep = torch.nonzero(self.valid[row, : self.used[row]]).squeeze(1)
+        n = len(keep)
+        for store in (self.k, self.v):
+            for t in store:
+                t[row, :, :n] = t[row].index_select(1, keep)
+        self.valid[row, : self.used[row]] = False
+        self.valid[row, :n] = True
+        self.used[row] = n
+        return keep
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two rows (used to keep decoding sessions in one contiguous block)."""
+        if a == b:
+            return
+        n = max(self.used[a], self.used[b])
+        for store in (self.k, self.v):
+            for t in store:
+                t[[a, b], :, :n] = t[[b, a], :, :n]  # the right side is an advanced-index copy
+        self.valid[[a, b], :n] = self.valid[[b, a], :n]
+        self.used[a], self.used[b] = self.used[b], self.used[a]
+        if a in self.free or b in self.free:
+            self.free = [b if r == a else a if r == b else r for r in self.free]

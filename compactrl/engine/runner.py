@@ -1,0 +1,152 @@
+"""The model forward of one engine step: ragged prefill chunks and decode tokens in one batch.
+
+All tokens of the step go through the linear layers together (``[1, N, d]``). Attention is
+where sessions differ: single decode tokens of sessions without a shared prefix attend their
+rows in one batched SDPA; prefill chunks (and sessions reading a forked prefix) attend per
+session, merging the prefix and own-row parts by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from compactrl.engine.kv_cache import KVCache
+from compactrl.masks import chunked_mask
+from compactrl.models.attention import attend
+from compactrl.models.decoder import CausalLM
+
+
+@dataclass
+class Feed:
+    """Feed stream tokens ``[start, start + n)`` of a session into cache entries ``[entry, entry + n)``."""
+
+    session: object
+    tokens: list[int]
+    start: int
+    entry: int
+    row: int
+    chain: list  # [(Segment, mask)] of the session
+    logits: bool  # compute logits after the last token
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+def _attn_lse(q, k, v, mask):
+    """Attention of ``q [1,H,n,D]`` over ``k, v [1,Hkv,N,D]`` under ``mask [n|1, N]``, with log-sum-exp."""
+    _, H, n, D = q.shape
+    hkv = k.shape[1]
+    q5 = q.view(1, hkv, H // hkv, n, D)
+    s = (q5 @ k.unsqueeze(2).transpose(-1, -2)) * D**-0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse).nan_to_num(0.0)
+    return (p @ v.unsqueeze(2)).view(1, H, n, D), lse.view(1, H, n, 1)
+
+
+def _session_attention(q, kv: KVCache, layer: int, f: Feed) -> torch.Tensor:
+    """A prefill chunk (or a chained decode token): own row causally, plus any shared prefixes."""
+    end = f.entry + f.n
+    k, v = kv.k[layer][f.row : f.row + 1, :, :end], kv.v[layer][f.row : f.row + 1, :, :end]
+    ent = torch.arange(end, device=q.device)
+    own = kv.valid[f.row, :end][None, :] & (
+        ent[None, :] <= f.entry + torch.arange(f.n, device=q.device)[:, None]
+    )
+    if not f.chain:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=own[None, None], enable_gqa=True)
+    outs, lses = [], []
+    for seg, mask in f.chain:
+        r = slice(seg.row, seg.row + 1)
+        o, lse = _attn_lse(q, kv.k[layer][r, :, : seg.n], kv.v[layer][r, :, : seg.n], mask[None, :])
+        outs.append(o)
+        lses.append(lse)
+    o, lse = _attn_lse(q, k, v, own)
+    outs.append(o)
+    lses.append(lse)
+    lse_all = torch.logsumexp(torch.stack(lses), dim=0)
+    return sum(torch.exp(l - lse_all) * o for o, l in zip(outs, lses, strict=True))
+
+
+@torch.no_grad()
+def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, torch.Tensor]:
+    """Write every fed token's K/V into its row and return float32 logits for feeds that ask."""
+    device = kv.device
+    offsets, N = [], 0
+    for f in feeds:
+        offsets.append(N)
+        N += f.n
+    tokens = torch.tensor([t for f in feeds for t in f.tokens], device=device)
+    positions = torch.tensor([p for f in feeds for p in range(f.start, f.start + f.n)], device=device)
+    dec = sorted((i for i, f in enumerate(feeds) if f.n == 1 and not f.chain), key=lambda i: feeds[i].row)
+    rest = sorted(set(range(len(feeds))) - set(dec))
+    if dec:
+        d_idx = torch.tensor([offsets[i] for i in dec], device=device)
+        d_rows = torch.tensor([feeds[i].row for i in dec], device=device)
+        d_ent = torch.tensor([feeds[i].entry for i in dec], device=device)
+        length = max(feeds[i].entry for i in dec) + 1
+        r0 = feeds[dec[0]].row
+        contiguous = d_rows.tolist() == list(range(r0, r0 + len(dec)))  # rows in a block: a view, no copy
+        d_mask = kv.valid[d_rows, :length][:, None, None, :]
+
+    x = model.model.embed_tokens(tokens)[None]
+    cos, sin = model.rope(positions[None], x.dtype)
+    for li, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        out = torch.empty_like(q)
+        K, V = kv.k[li], kv.v[li]
+        if dec:
+            K[d_rows, :, d_ent] = k[0, :, d_idx].transpose(0, 1)
+            V[d_rows, :, d_ent] = v[0, :, d_idx].transpose(0, 1)
+        for i in rest:
+            f, o = feeds[i], offsets[i]
+            K[f.row, :, f.entry : f.entry + f.n] = k[0, :, o : o + f.n]
+            V[f.row, :, f.entry : f.entry + f.n] = v[0, :, o : o + f.n]
+        if dec:
+            if contiguous:
+                kd, vd = K[r0 : r0 + len(dec), :, :length], V[r0 : r0 + len(dec), :, :length]
+            else:
+                kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
+            qd = q[0, :, d_idx].transpose(0, 1).unsqueeze(2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask, enable_gqa=True)
+            out[0, :, d_idx] = od[:, :, 0].transpose(0, 1)
+        for i in rest:
+            f, o = feeds[i], offsets[i]
+            out[:, :, o : o + f.n] = _session_attention(q[:, :, o : o + f.n], kv, li, f)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, N, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    want = [i for i, f in enumerate(feeds) if f.logits]
+    if not want:
+        return {}
+    last = torch.tensor([offsets[i] + feeds[i].n - 1 for i in want], device=device)
+    logits = model.lm_head(model.model.norm(x[0, last])).float()
+    return {i: logits[k] for k, i in enumerate(want)}
+
+
+@torch.no_grad()
+def prefill_stream(model: CausalLM, tokens: list[int], evict_at: torch.Tensor, chunk: int = 256):
+    """Recompute a whole stream's K/V under its eviction mask (exact, by the stream invariant).
+
+    Used to resume a preempted session: returns per-layer ``k, v [Hkv, T, D]`` of every token
+    and the logits after the last one.
+    """
+    device = next(model.parameters()).device
+    T = len(tokens)
+    ids = torch.tensor(tokens, device=device)[None]
+    mask = chunked_mask(evict_at.to(device), chunk)
+    x = model.model.embed_tokens(ids)
+    cos, sin = model.rope(torch.arange(T, device=device)[None], x.dtype)
+    ks, vs = [], []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        ks.append(k[0])
+        vs.append(v[0])
+        a = attend(q, k, v, mask)
+        x = x + attn.o_proj(a.transpose(1, 2).reshape(1, T, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return ks, vs, model.lm_head(model.model.norm(x[0, -1])).float()

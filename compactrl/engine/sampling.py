@@ -1,0 +1,158 @@
+"""Token sampling for the engine: temperature -> top-k -> top-p, per-request seeds, exact log-probs.
+
+The trainer recomputes log-probs and compares them with ``SampleOutput.logprobs``, so those are
+the log-probs of the distribution actually sampled from (after truncation and renormalisation).
+Greedy rows (temperature 0) report the log-prob under the *untempered* model distribution,
+because a greedy policy's trainer recompute uses temperature 1.
+
+Sampling uses the exponential race (``argmax p / E``, ``E ~ Exp(1)``, i.e. Gumbel-max) with one
+noise vector of size V per row drawn from that row's own generator, so a seeded request gets the
+same token whatever else is in the batch. Ties (top-k cut, top-p cut, argmax) go to the lower
+token id: the sort is stable and ``argmax`` returns the first maximum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pydantic
+import torch
+
+
+class SamplingParams(pydantic.BaseModel):
+    """Per-request sampling settings (immutable, unknown fields rejected)."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stop: list[str] = []
+    model_logprobs: bool = False
+
+    @pydantic.field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {v}")
+        return v
+
+    @pydantic.field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {v}")
+        return v
+
+    @pydantic.field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0 < v <= 1:  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @pydantic.field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {v}")
+        return v
+
+    @pydantic.field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {v}")
+        return v
+
+    @pydantic.field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty (an empty string would match at once)")
+        return v
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # long [B]
+    logprobs: torch.Tensor  # float32 [B], under the distribution sampled from
+    model_logprobs: torch.Tensor | None  # float32 [B], log_softmax(raw logits); None if no row asked
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A seeded generator for one request; None (global RNG) when the request has no seed."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """End index of the stop string occurrence that completes first in ``text``, or None."""
+    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
+    return min(ends) if ends else None
+
+
+def _truncated_logprobs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Log-probs after top-k then top-p, renormalised; dropped tokens get -inf. One sort for all rows."""
+    V = scaled.shape[-1]
+    s, idx = scaled.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(V, device=scaled.device)
+    s = s.masked_fill(rank >= top_k[:, None], -math.inf)
+    probs = s.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass strictly ahead of each token in sorted order
+    # keep the smallest prefix reaching top_p; top_p == 1 means off (cumsum rounding must not cut the tail)
+    s = s.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), -math.inf)
+    return torch.full_like(scaled, -math.inf).scatter(-1, idx, s.log_softmax(-1))
+
+
+class Sampler:
+    """Samples one token per row. Stateless: each request owns its generator (see ``make_generator``)."""
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> SampleOutput:
+        B, V = logits.shape
+        assert len(params) == B and len(generators) == B, "one SamplingParams and generator per row"
+        logits = logits.float()
+        dev = logits.device
+        model_lp = logits.log_softmax(-1)
+        tokens = logits.argmax(-1)  # greedy rows keep this
+        logprobs = model_lp.gather(-1, tokens[:, None]).squeeze(-1)
+
+        # rows whose math depends only on their own params: plain (temperature only) vs truncated
+        sampled = [b for b, p in enumerate(params) if p.temperature > 0]
+        is_plain = [(params[b].top_k == 0 or params[b].top_k >= V) and params[b].top_p >= 1 for b in sampled]
+        plain = [b for b, pl in zip(sampled, is_plain) if pl]
+        trunc = [b for b, pl in zip(sampled, is_plain) if not pl]
+        for rows, truncate in ((plain, False), (trunc, True)):
+            if not rows:
+                continue
+            r = torch.tensor(rows, device=dev)
+            temp = torch.tensor([params[b].temperature for b in rows], device=dev)
+            scaled = logits[r] / temp[:, None]
+            if truncate:
+                k = torch.tensor([min(params[b].top_k or V, V) for b in rows], device=dev)
+                p = torch.tensor([params[b].top_p for b in rows], device=dev)
+                lp = _truncated_logprobs(scaled, k, p)
+            else:
+                lp = scaled.log_softmax(-1)
+            # per-row noise from the row's own generator: reproducible regardless of batch composition
+            noise = torch.stack(
+                [torch.empty(V, device=dev).exponential_(generator=generators[b]) for b in rows]
+            )
+            score = torch.where(torch.isfinite(lp), lp - noise.log(), -math.inf)
+            tok = score.argmax(-1)
+            tokens[r] = tok
+            logprobs[r] = lp.gather(-1, tok[:, None]).squeeze(-1)
+
+        want_model = any(p.model_logprobs for p in params)
+        model_out = model_lp.gather(-1, tokens[:, None]).squeeze(-1) if want_model else None
+        return SampleOutput(tokens=tokens, logprobs=logprobs, model_logprobs=model_out)
