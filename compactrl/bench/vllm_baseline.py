@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
 
