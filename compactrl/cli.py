@@ -181,6 +181,41 @@ def verify_trainer_cmd(
         raise typer.Exit(1)
 
 
+@verify_app.command("engine")
+def verify_engine_cmd(
+    sessions: Annotated[int, typer.Option(help="Randomised multi-turn sessions (forks are added).")] = 32,
+    seed: int = 0,
+    pool: Annotated[
+        int | None, typer.Option(help="KV pool in tokens (default: small enough to preempt).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Engine log-probs vs the trainer's one-pass forward over the exported traces; exit 1 on failure."""
+    import torch
+
+    from compactrl.verify import verify_engine
+
+    if sessions < 1:
+        fail("--sessions must be >= 1")
+    if pool is not None and pool < 64:
+        fail("--pool must be >= 64 tokens")
+    torch.set_num_threads(1)
+    result = verify_engine(sessions, seed, pool)
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(
+            f"{result['sessions']} sessions ({result['forks']} forks), "
+            f"{result['sampled_tokens']} sampled tokens, {result['evictions']} evictions, "
+            f"{result['preemptions']} preemptions"
+        )
+        out.print(f"max |logprob diff| engine vs trainer: {result['max_abs_logprob_diff']:.2e} (<= 5e-5)")
+        out.print(f"negative control, re-prefill: {result['reprefill_diff']:.2f} nats (>= 0.1)")
+        out.print("[green]OK" if result["ok"] else "[red]MISMATCH")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("trainer")
 def bench_trainer(
     model_dir: Annotated[
