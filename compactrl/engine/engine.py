@@ -280,10 +280,10 @@ class Engine:
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):
                 s = f.session
-                if s.generating and f.n == 1:
+                sampled = sum(s.trainable[f.start : f.start + f.n])
+                s.metrics.prefill_tokens += f.n - sampled
+                if sampled and f.n == 1:  # a decode step reads the whole live KV
                     s.metrics.kv_reads += s.live
-                else:
-                    s.metrics.prefill_tokens += f.n
                 s.fed += f.n
                 if i in logits:
                     s.pending_logits = logits[i]
@@ -314,18 +314,19 @@ class Engine:
 
     # ---- weights and metrics -----------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load new weights in flight; live sessions keep their (old-weight) KV."""
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(state_dict) - set(params) - {"lm_head.weight"})
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+        """Load new weights in flight (all or a subset, HF names); live sessions keep their old-weight
+        KV. Everything is checked before anything is copied. Returns the number of tensors loaded."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = sorted(set(state_dict) - set(params))
         if unknown:
-            raise ValueError(f"update_weights got unknown tensors {unknown[:5]}")
+            raise ValueError(f"update_weights got unknown tensors {unknown[:5]}; expected HF parameter names")
         for name, t in state_dict.items():
-            if name not in params:
-                continue
             if tuple(t.shape) != tuple(params[name].shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}")
+                raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's {tuple(params[name].shape)}")
+        for name, t in state_dict.items():
             params[name].copy_(t)
+        return len(state_dict)
 
     def metrics(self) -> dict:
         per = [asdict(s.metrics) for s in self.sessions]

@@ -65,8 +65,8 @@ class Generation:
 
 @dataclass
 class SessionMetrics:
-    prefill_tokens: int = 0  # tokens fed from appends (first time)
-    decode_tokens: int = 0  # tokens sampled
+    prefill_tokens: int = 0  # appended (prompt / env) tokens fed, first time
+    decode_tokens: int = 0  # tokens sampled (each is fed once too, as a decode step)
     reprefilled_tokens: int = 0  # tokens fed again (recompute after preemption)
     evicted_tokens: int = 0
     kv_reads: int = 0  # sum over decode steps of the live KV attended

@@ -1,0 +1,299 @@
+"""The engine against the trainer forward, under batching, forks, preemption and bad input."""
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compactrl.engine import Engine, EngineConfig, SamplingParams, SessionError
+from compactrl.models.tiny import init_random, tiny_config
+from compactrl.rl.forward import stream_logprobs
+from compactrl.verify import verify_engine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def engine(lm, pool=100_000, step=256, tokenizer=None):
+    return Engine(lm, tokenizer, EngineConfig(kv_pool_tokens=pool, max_step_tokens=step))
+
+
+def assert_matches_trainer(lm, sessions, tol=5e-5):
+    traces = [s.trace() for s in sessions]
+    with torch.no_grad():
+        ours = stream_logprobs(lm, traces)
+    for s, t, lp in zip(sessions, traces, ours):
+        m = torch.as_tensor(t.trainable)
+        assert m.any()
+        logged = torch.tensor(s.model_logprobs, dtype=torch.float64)[m]
+        assert (lp.double()[m] - logged).abs().max() < tol, s.id
+
+
+def test_verify_engine_with_and_without_preemption():
+    tight = verify_engine(n_sessions=12, seed=1)
+    assert tight["ok"] and tight["preemptions"] > 0 and tight["forks"] > 0
+    roomy = verify_engine(n_sessions=12, seed=1, pool_tokens=10**6)
+    assert roomy["ok"] and roomy["preemptions"] == 0
+    assert roomy["max_abs_logprob_diff"] < 5e-5 and roomy["reprefill_diff"] > 0.1
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["append", "evict", "generate"]), st.integers(1, 9), st.integers(0, 10**6)),
+    min_size=3,
+    max_size=12,
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(ops, min_size=1, max_size=3), st.integers(80, 400))
+def test_random_eviction_schedules_match_trainer(tiny_lm, schedules, pool):
+    eng = engine(tiny_lm, pool=pool, step=32)
+    sessions = []
+    for k, sched in enumerate(schedules):
+        s = eng.session(f"h{k}")
+        s.append([k + 2] * 4, role="system")
+        for op, n, r in sched:
+            if op == "append":
+                s.append([(r + i) % 300 for i in range(n)])
+            elif op == "evict":
+                live = [j for j, e in enumerate(s.evict_at) if e is None and j > 0]
+                if live:
+                    a = r % len(live)
+                    s.evict(live[a : a + n])
+            else:
+                s.generate(SamplingParams(max_tokens=n, seed=r, ignore_eos=True, model_logprobs=True))
+                eng.run()
+        s.generate(SamplingParams(max_tokens=2, seed=k, ignore_eos=True, model_logprobs=True))
+        sessions.append(s)
+    eng.run()
+    assert_matches_trainer(tiny_lm, sessions)
+
+
+def rollout(eng, k):
+    s = eng.session(f"r{k}")
+    s.append([(7 * k + i) % 300 for i in range(20 + k)], role="system")
+    for turn in range(3):
+        s.generate(SamplingParams(max_tokens=8, model_logprobs=True, **GREEDY))
+        eng.run()
+        s.evict([(1 + 5 * turn, 6 + 5 * turn)])
+        s.append([(k + turn + i) % 300 for i in range(4)])
+    return s
+
+
+def test_oversubscribed_pool_completes_every_session_identically(tiny_lm):
+    alone = [rollout(engine(tiny_lm), k).tokens for k in range(8)]
+    eng = engine(tiny_lm, pool=160, step=64)
+    sessions = [eng.session(f"r{k}") for k in range(8)]
+    for k, s in enumerate(sessions):
+        s.append([(7 * k + i) % 300 for i in range(20 + k)], role="system")
+    for turn in range(3):
+        gens = [s.generate(SamplingParams(max_tokens=8, model_logprobs=True, **GREEDY)) for s in sessions]
+        eng.run()
+        assert all(g.done and len(g.tokens) == 8 for g in gens)
+        for k, s in enumerate(sessions):
+            s.evict([(1 + 5 * turn, 6 + 5 * turn)])
+            s.append([(k + turn + i) % 300 for i in range(4)])
+    assert [s.tokens for s in sessions] == alone
+    m = eng.metrics()
+    assert m["preemptions"] > 0 and m["reprefilled_tokens"] > 0 and m["peak_kv_tokens"] <= 160
+    assert_matches_trainer(tiny_lm, sessions)
+
+
+def test_fork_shares_the_prefix_without_copying(tiny_lm):
+    eng = engine(tiny_lm)
+    parent = eng.session("p")
+    parent.append(list(range(40)), role="system")
+    eng.run()
+    used = eng.kv_tokens_used()
+    kids = [parent.fork(f"c{i}") for i in range(3)]
+    assert eng.kv_tokens_used() == used  # three more readers, no new KV
+    parent.evict([(3, 9)])  # the parent's eviction must not touch the children's view
+    for i, s in enumerate([parent, *kids]):
+        s.append([100 + i, 101 + i])
+        s.generate(SamplingParams(max_tokens=6, seed=i, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    grand = kids[0].fork("g")
+    grand.append([5, 6, 7])
+    grand.generate(SamplingParams(max_tokens=4, seed=9, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert_matches_trainer(tiny_lm, [parent, *kids, grand])
+    assert parent.trace().num_evicted == 6 and kids[0].trace().num_evicted == 0
+    for s in [parent, *kids, grand]:
+        s.close()
+    assert eng.kv_tokens_used() == 0 and not eng.segments
+
+
+def test_same_seed_same_tokens_whatever_the_batch(tiny_lm):
+    def sample(companions):
+        eng = engine(tiny_lm)
+        main = eng.session()
+        main.append([1, 2, 3, 4])
+        g = main.generate(SamplingParams(max_tokens=12, seed=42, ignore_eos=True))
+        for c in range(companions):
+            o = eng.session()
+            o.append([c + 5] * (c + 3))
+            o.generate(SamplingParams(max_tokens=5 + c, seed=c))
+        eng.run()
+        return g.tokens
+
+    assert sample(0) == sample(5) == sample(2)
+    eng = engine(tiny_lm)
+    s = eng.session()
+    s.append([1, 2, 3, 4])
+    g = s.generate(SamplingParams(max_tokens=12, seed=43, ignore_eos=True))
+    eng.run()
+    assert g.tokens != sample(0)
+
+
+def test_stop_tokens_and_length(tiny_lm):
+    eng = engine(tiny_lm)
+    s = eng.session()
+    s.append([1, 2, 3])
+    g = s.generate(SamplingParams(max_tokens=50, seed=0, ignore_eos=True))
+    eng.run()
+    stop = g.tokens[3]
+    s2 = eng.session()
+    s2.append([1, 2, 3])
+    g2 = s2.generate(SamplingParams(max_tokens=50, seed=0, ignore_eos=True, stop_token_ids=[stop]))
+    eng.run()
+    first = g.tokens.index(stop)
+    assert g2.tokens == g.tokens[: first + 1] and g2.finish_reason == "stop"
+    assert g.finish_reason == "length" and len(g.tokens) == 50
+
+
+def test_stop_strings_with_a_real_tokenizer(tmp_path):
+    from compactrl.models.tiny import write_tiny_model
+
+    eng = Engine.from_pretrained(write_tiny_model(tmp_path / "m"), config=EngineConfig(kv_pool_tokens=4096))
+    s = eng.session()
+    s.append(
+        eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    )
+    g = s.generate(SamplingParams(max_tokens=40, seed=1, ignore_eos=True))
+    eng.run()
+    text = eng.tokenizer.decode(g.tokens)
+    stop = next(c for c in text[len(text) // 2 :] if c.isalpha())  # a character the continuation produces
+    s2 = eng.session()
+    s2.append(s.tokens[: g.start])
+    g2 = s2.generate(SamplingParams(max_tokens=40, seed=1, ignore_eos=True, stop=[stop]))
+    eng.run()
+    text2 = eng.tokenizer.decode(g2.tokens)
+    assert g2.finish_reason == "stop" and stop in text2 and stop not in eng.tokenizer.decode(g2.tokens[:-1])
+    assert g2.tokens == g.tokens[: len(g2.tokens)]
+
+
+def test_bad_input_is_refused_and_leaves_sessions_untouched(tiny_lm):
+    eng = engine(tiny_lm, pool=500)
+    a, b = eng.session("a"), eng.session("b")
+    a.append(list(range(30)))
+    b.append(list(range(30, 60)))
+    eng.run()
+    a.evict([(2, 5)])
+    before = a.trace().to_dict()
+    bad = [
+        (lambda: a.append([1, 300]), "outside the vocabulary"),
+        (lambda: a.append([-1]), "outside the vocabulary"),
+        (lambda: a.evict([(25, 31)]), "outside the stream"),
+        (lambda: a.evict([(3, 4)]), "already evicted"),
+        (lambda: a.evict([(10, 12), (11, 13)]), "overlap"),
+        (lambda: a.append(list(range(300)) * 2), "pool holds 500"),
+        (lambda: a.generate(SamplingParams(max_tokens=40000)), "position"),
+        (lambda: a.append([1], role="robot"), "role"),
+        (lambda: a.generate(SamplingParams(stop=["x"])), "tokenizer"),
+        (lambda: eng.session().generate(), "append a prompt"),
+    ]
+    for call, message in bad:
+        with pytest.raises(SessionError, match=message):
+            call()
+    assert a.trace().to_dict() == before
+    g = a.generate(SamplingParams(max_tokens=4, seed=0, model_logprobs=True))
+    with pytest.raises(SessionError, match="while session a is generating"):
+        a.append([1])
+    b.generate(SamplingParams(max_tokens=4, seed=1, model_logprobs=True))
+    eng.run()
+    assert g.done
+    assert_matches_trainer(tiny_lm, [a, b])
+    a.close()
+    for call in (lambda: a.fork(), lambda: a.append([1]), lambda: a.evict([0])):
+        with pytest.raises(SessionError, match="closed"):
+            call()
+
+
+def test_update_weights_keeps_live_kv(tiny_lm):
+    eng = engine(tiny_lm)
+    s = eng.session()
+    s.append(list(range(50)))
+    eng.run()
+    row = s.row
+    kv_before = [k[row, :, :50].clone() for k in eng.kv.k]
+    other = init_random(tiny_config("qwen3", vocab_size=300, eos_token_id=[1]), seed=7)
+    try:
+        eng.update_weights(other.state_dict())
+        assert all(torch.equal(k[row, :, :50], b) for k, b in zip(eng.kv.k, kv_before))
+        g = s.generate(SamplingParams(max_tokens=6, **GREEDY))
+        eng.run()
+        assert torch.equal(
+            eng.model.model.layers[0].mlp.up_proj.weight, other.model.layers[0].mlp.up_proj.weight
+        )
+        with pytest.raises(ValueError, match="shape"):
+            eng.update_weights({"lm_head.weight": torch.zeros(3, 3)})
+    finally:
+        eng.update_weights(
+            init_random(tiny_config("qwen3", vocab_size=300, eos_token_id=[1]), seed=0).state_dict()
+        )
+    fresh = engine(tiny_lm)
+    s2 = fresh.session()
+    s2.append(list(range(50)))
+    g2 = s2.generate(SamplingParams(max_tokens=6, **GREEDY))
+    fresh.run()
+    assert g.tokens != g2.tokens  # the new weights were used for decoding
+
+
+def test_async_agents_get_the_same_results(tiny_lm):
+    def prompts(k):
+        return [(k * 11 + i) % 300 for i in range(10 + k)]
+
+    sync_eng = engine(tiny_lm)
+    expected = []
+    for k in range(6):
+        s = sync_eng.session()
+        s.append(prompts(k))
+        expected.append(s.generate(SamplingParams(max_tokens=7, seed=k, ignore_eos=True)))
+    sync_eng.run()
+
+    async def main():
+        eng = engine(tiny_lm)
+        server = asyncio.create_task(eng.serve())
+
+        async def agent(k):
+            s = eng.session()
+            s.append(prompts(k))
+            g = await s.agenerate(SamplingParams(max_tokens=7, seed=k, ignore_eos=True))
+            return g.tokens
+
+        out = await asyncio.gather(*(agent(k) for k in range(6)))
+        server.cancel()
+        return out
+
+    assert asyncio.run(main()) == [g.tokens for g in expected]
+
+
+def test_metrics_count_what_happened(tiny_lm):
+    eng = engine(tiny_lm)
+    s = eng.session()
+    s.append(list(range(20)))
+    s.generate(SamplingParams(max_tokens=5, **GREEDY))
+    eng.run()
+    s.evict([(0, 4)])
+    s.append([1, 2, 3])
+    s.generate(SamplingParams(max_tokens=3, **GREEDY))
+    eng.run()
+    m = s.metrics
+    assert m.prefill_tokens == 20 + 3 and m.decode_tokens == 8 and m.reprefilled_tokens == 0
+    assert m.evicted_tokens == 4 and m.preemptions == 0
+    assert m.peak_live_kv == s.live == 20 + 5 + 3 + 3 - 4
+    # kv_reads: feeding each sampled token reads the live KV, incl. that token
+    assert m.kv_reads == sum(range(21, 26)) + sum(range(25, 28))
+    t = s.trace()
+    assert t.segment.max() == 1 and set(t.role) == {"user", "assistant"}
