@@ -122,7 +122,7 @@ class Engine:
         child.drops = type(parent.drops)((e, list(idx)) for e, idx in parent.drops)
         child.pending_logits = None if parent.pending_logits is None else parent.pending_logits.clone()
         if parent.row is not None:  # freeze the parent's row into a prefix both of them read
-            seg = Segment(parent.row, parent.own_stream.copy(), refs=2)
+            seg = Segment(parent.row, self.kv.stream_index(parent.row).numpy().copy(), refs=2)
             self.segments.add(seg)
             mask = self.kv.valid[parent.row, : seg.n].clone()
             for g, _ in parent.chain:
@@ -130,7 +130,6 @@ class Engine:
             child.chain = [(g, m.clone()) for g, m in parent.chain] + [(seg, mask.clone())]
             parent.chain = parent.chain + [(seg, mask)]
             for s in (parent, child):
-                s.own_stream = np.zeros(0, dtype=np.int64)
                 s.row = self.kv.alloc()
                 s.admitted_at = self.tick
         for s in (parent, child):
@@ -149,7 +148,6 @@ class Engine:
                 self.kv.release(seg.row)
                 self.segments.discard(seg)
         s.chain = []
-        s.own_stream = np.zeros(0, dtype=np.int64)
         self.active.pop(s, None)
 
     # ---- KV bookkeeping --------------------------------------------------------------------
@@ -159,9 +157,9 @@ class Engine:
         while s.row is not None and s.drops and s.drops[0][0] == s.fed:
             _, idx = s.drops.popleft()
             idx = np.asarray(idx)
-            pos, mine = _locate(s.own_stream, idx)
+            pos, mine = _locate(self.kv.stream_index(s.row).numpy(), idx)
             if mine.any():
-                self.kv.valid[s.row, torch.as_tensor(pos[mine])] = False
+                self.kv.invalidate(s.row, torch.as_tensor(pos[mine]))
             for j in idx[~mine]:
                 for seg, mask in s.chain:
                     p, found = _locate(seg.stream_index, np.array([j]))
@@ -182,11 +180,13 @@ class Engine:
             self.wake(v)
         return True
 
-    def _make_room(self, need: int, keep: set[Session]) -> bool:
-        while self.kv_tokens_used() + need > self.config.kv_pool_tokens:
+    def _make_room(self, need: int, keep: set[Session], used: int) -> int | None:
+        """Preempt until ``need`` more tokens fit; returns the pool usage then, or None if they can't."""
+        while used + need > self.config.kv_pool_tokens:
             if not self._preempt_one(keep):
-                return False
-        return True
+                return None
+            used = self.kv_tokens_used()
+        return used
 
     def _restore(self, s: Session) -> None:
         """Give a non-resident session a row: empty if nothing was fed, else recompute its stream."""
@@ -205,17 +205,15 @@ class Engine:
         for li in range(self.kv.n_layers):
             self.kv.k[li][s.row, :, start : start + len(keep)] = ks[li].index_select(1, keep)
             self.kv.v[li][s.row, :, start : start + len(keep)] = vs[li].index_select(1, keep)
-        s.own_stream = keep.numpy().astype(np.int64)
+        self.kv.pos[s.row, start : start + len(keep)] = keep
+        self.kv.valid[s.row, start : start + len(keep)] = True
         s.pending_logits = logits
         s.metrics.reprefilled_tokens += T
 
     def _claim(self, s: Session, n: int) -> int:
-        if self.kv.holes(s.row) > max(32, self.config.compact_holes * self.kv.used[s.row]):
-            keep = self.kv.compact(s.row)
-            s.own_stream = s.own_stream[keep.numpy()]
-        start = self.kv.append(s.row, n)
-        s.own_stream = np.concatenate([s.own_stream, np.arange(s.fed, s.fed + n)])
-        return start
+        if self.kv.dead[s.row] > max(32, self.config.compact_holes * self.kv.used[s.row]):
+            self.kv.compact(s.row)
+        return self.kv.append(s.row, n)
 
     # ---- one step ----------------------------------------------------------------------------
     def _sample(self, ready: list[Session]) -> None:
@@ -252,6 +250,7 @@ class Engine:
         feeds: list[Feed] = []
         picked: set[Session] = set()
         budget = self.config.max_step_tokens
+        pool_used = self.kv_tokens_used()
         # generating sessions first (one token each), then prefill chunks in arrival order
         order = sorted(self.active, key=lambda s: not s.generating)
         for s in order:
@@ -260,16 +259,22 @@ class Engine:
             if s.unfed == 0:
                 continue
             if s.row is None:  # new or preempted: (re)admit it, recomputing what it had fed
-                if not self._make_room(self._blocks(s.live), picked | {s}):
+                pool_used = self._make_room(self._blocks(s.live), picked | {s}, pool_used)
+                if pool_used is None:
+                    pool_used = self.kv_tokens_used()
                     continue
                 self._restore(s)
                 self._apply_drops(s)
+                pool_used += self._blocks(self.kv.used[s.row])
             limit = s.drops[0][0] - s.fed if s.drops else s.unfed  # an eviction splits the chunk
             n = min(s.unfed, limit, budget)
-            used = self.kv.used[s.row]
-            if not self._make_room(self._blocks(used + n) - self._blocks(used), picked | {s}):
+            before = self._blocks(self.kv.used[s.row])
+            room = self._make_room(self._blocks(self.kv.used[s.row] + n) - before, picked | {s}, pool_used)
+            if room is None:
+                pool_used = self.kv_tokens_used()
                 continue
             entry = self._claim(s, n)
+            pool_used = room - before + self._blocks(self.kv.used[s.row])
             done = s.fed + n == len(s.tokens)
             feeds.append(Feed(s, s.tokens[s.fed : s.fed + n], s.fed, entry, s.row, s.chain, logits=done))
             picked.add(s)

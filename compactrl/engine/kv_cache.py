@@ -21,7 +21,7 @@ from compactrl.models.config import ModelConfig
 
 @dataclass(eq=False)
 class Segment:
-    """A frozen, shared prefix: ``n`` entries of a row, holding stream indices ``stream_index``."""
+    """A frozen, shared prefix: the first ``n`` entries of a row no session writes any more."""
 
     row: int
     stream_index: np.ndarray
@@ -43,7 +43,9 @@ class KVCache:
         self.k = [self._zeros(rows, capacity) for _ in range(self.n_layers)]
         self.v = [self._zeros(rows, capacity) for _ in range(self.n_layers)]
         self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(rows, capacity, dtype=torch.long, device=device)  # stream index per entry
         self.used = [0] * rows  # entries written per row (live + holes)
+        self.dead = [0] * rows  # holes per row (evicted entries not yet compacted away)
         self.free = list(range(rows - 1, -1, -1))
 
     def _zeros(self, rows: int, capacity: int) -> torch.Tensor:
@@ -68,7 +70,7 @@ class KVCache:
 
     def release(self, row: int) -> None:
         self.valid[row, : self.used[row]] = False
-        self.used[row] = 0
+        self.used[row] = self.dead[row] = 0
         self.free.append(row)
 
     def reserve(self, row: int, n: int) -> None:
@@ -87,34 +89,43 @@ class KVCache:
                 new = self._zeros(rows, capacity)
                 new[:r, :, :c] = old
                 store[i] = new
-        valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
-        valid[:r, :c] = self.valid
-        self.valid = valid
+        for name in ("valid", "pos"):
+            old = getattr(self, name)
+            new = torch.zeros(rows, capacity, dtype=old.dtype, device=self.device)
+            new[:r, :c] = old
+            setattr(self, name, new)
         self.free = list(range(rows - 1, r - 1, -1)) + self.free
         self.used += [0] * (rows - r)
+        self.dead += [0] * (rows - r)
 
     def append(self, row: int, n: int) -> int:
-        """Claim ``n`` new entries at the end of ``row``; returns the first entry index."""
+        """Claim ``n`` new entries at the end of ``row``; returns the first entry index. The writer
+        (the step's forward) fills their K/V, ``pos`` and ``valid`` bits, batched across rows."""
         self.reserve(row, n)
         start = self.used[row]
         self.used[row] += n
-        self.valid[row, start : start + n] = True
         return start
 
-    def holes(self, row: int) -> int:
-        return self.used[row] - int(self.valid[row, : self.used[row]].sum())
+    def stream_index(self, row: int) -> torch.Tensor:
+        """Stream index of every entry of ``row`` (sorted: entries are kept in stream order)."""
+        return self.pos[row, : self.used[row]]
 
-    def compact(self, row: int) -> torch.Tensor:
-        """Move the row's live entries to its front (order kept); returns their old entry indices."""
+    def invalidate(self, row: int, entries: torch.Tensor) -> None:
+        """Evict entries in place: clear their valid bits (no data moves)."""
+        self.valid[row, entries] = False
+        self.dead[row] += len(entries)
+
+    def compact(self, row: int) -> None:
+        """Move the row's live entries to its front, keeping their order."""
         keep = torch.nonzero(self.valid[row, : self.used[row]]).squeeze(1)
         n = len(keep)
         for store in (self.k, self.v):
             for t in store:
                 t[row, :, :n] = t[row].index_select(1, keep)
+        self.pos[row, :n] = self.pos[row].index_select(0, keep)
         self.valid[row, : self.used[row]] = False
         self.valid[row, :n] = True
-        self.used[row] = n
-        return keep
+        self.used[row], self.dead[row] = n, 0
 
     def swap(self, a: int, b: int) -> None:
         """Exchange two rows (used to keep decoding sessions in one contiguous block)."""
@@ -125,6 +136,8 @@ class KVCache:
             for t in store:
                 t[[a, b], :, :n] = t[[b, a], :, :n]  # the right side is an advanced-index copy
         self.valid[[a, b], :n] = self.valid[[b, a], :n]
+        self.pos[[a, b], :n] = self.pos[[b, a], :n]
         self.used[a], self.used[b] = self.used[b], self.used[a]
+        self.dead[a], self.dead[b] = self.dead[b], self.dead[a]
         if a in self.free or b in self.free:
             self.free = [b if r == a else a if r == b else r for r in self.free]

@@ -75,23 +75,35 @@ def _session_attention(q, kv: KVCache, layer: int, f: Feed) -> torch.Tensor:
 def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask."""
     device = kv.device
-    offsets, N = [], 0
-    for f in feeds:
-        offsets.append(N)
+    # single decode tokens (no shared prefix) go first, ordered by row: their attention is one
+    # batched call over a block of rows, and their queries a plain slice of the step's tokens
+    dec = sorted((f for f in feeds if f.n == 1 and not f.chain), key=lambda f: f.row)
+    rest = [f for f in feeds if f.n > 1 or f.chain]
+    order = dec + rest
+    offsets, N = {}, 0
+    for f in order:
+        offsets[id(f)] = N
         N += f.n
-    tokens = torch.tensor([t for f in feeds for t in f.tokens], device=device)
-    positions = torch.tensor([p for f in feeds for p in range(f.start, f.start + f.n)], device=device)
-    dec = sorted((i for i, f in enumerate(feeds) if f.n == 1 and not f.chain), key=lambda i: feeds[i].row)
-    rest = sorted(set(range(len(feeds))) - set(dec))
-    if dec:
-        d_idx = torch.tensor([offsets[i] for i in dec], device=device)
-        d_rows = torch.tensor([feeds[i].row for i in dec], device=device)
-        d_ent = torch.tensor([feeds[i].entry for i in dec], device=device)
-        length = max(feeds[i].entry for i in dec) + 1
-        r0 = feeds[dec[0]].row
-        contiguous = d_rows.tolist() == list(range(r0, r0 + len(dec)))  # rows in a block: a view, no copy
-        d_mask = kv.valid[d_rows, :length][:, None, None, :]
+    tokens = torch.tensor([t for f in order for t in f.tokens], device=device)
+    positions = torch.tensor([p for f in order for p in range(f.start, f.start + f.n)], device=device)
+    B = len(dec)
+    if B:
+        d_rows = torch.tensor([f.row for f in dec], device=device)
+        d_ent = torch.tensor([f.entry for f in dec], device=device)
+        length = max(f.entry for f in dec) + 1
+        r0 = dec[0].row
+        contiguous = d_rows.tolist() == list(range(r0, r0 + B))  # rows in a block: a view, no copy
+        kv.valid[d_rows, d_ent] = True
+        kv.pos[d_rows, d_ent] = positions[:B]
+        visible = kv.valid[d_rows, :length][:, None, None, :]
+        d_mask = torch.zeros(visible.shape, dtype=kv.dtype, device=device).masked_fill_(
+            ~visible, float("-inf")
+        )
 
+    for f in rest:
+        o = offsets[id(f)]
+        kv.valid[f.row, f.entry : f.entry + f.n] = True
+        kv.pos[f.row, f.entry : f.entry + f.n] = positions[o : o + f.n]
     x = model.model.embed_tokens(tokens)[None]
     cos, sin = model.rope(positions[None], x.dtype)
     for li, layer in enumerate(model.model.layers):
@@ -99,32 +111,32 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         out = torch.empty_like(q)
         K, V = kv.k[li], kv.v[li]
-        if dec:
-            K[d_rows, :, d_ent] = k[0, :, d_idx].transpose(0, 1)
-            V[d_rows, :, d_ent] = v[0, :, d_idx].transpose(0, 1)
-        for i in rest:
-            f, o = feeds[i], offsets[i]
+        if B:
+            K[d_rows, :, d_ent] = k[0, :, :B].transpose(0, 1)
+            V[d_rows, :, d_ent] = v[0, :, :B].transpose(0, 1)
+        for f in rest:
+            o = offsets[id(f)]
             K[f.row, :, f.entry : f.entry + f.n] = k[0, :, o : o + f.n]
             V[f.row, :, f.entry : f.entry + f.n] = v[0, :, o : o + f.n]
-        if dec:
+        if B:
             if contiguous:
-                kd, vd = K[r0 : r0 + len(dec), :, :length], V[r0 : r0 + len(dec), :, :length]
+                kd, vd = K[r0 : r0 + B, :, :length], V[r0 : r0 + B, :, :length]
             else:
                 kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
             # GQA decode: the G query heads sharing a KV head go in as G queries, so each KV row is
             # read once per KV head instead of once per query head (about 2x faster on CPU)
-            qd = q[0, :, d_idx].transpose(0, 1).reshape(len(dec), kd.shape[1], -1, q.shape[-1])
+            qd = q[0, :, :B].transpose(0, 1).reshape(B, kd.shape[1], -1, q.shape[-1])
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
-            out[0, :, d_idx] = od.reshape(len(dec), -1, q.shape[-1]).transpose(0, 1)
-        for i in rest:
-            f, o = feeds[i], offsets[i]
+            out[0, :, :B] = od.reshape(B, -1, q.shape[-1]).transpose(0, 1)
+        for f in rest:
+            o = offsets[id(f)]
             out[:, :, o : o + f.n] = _session_attention(q[:, :, o : o + f.n], kv, li, f)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, N, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     want = [i for i, f in enumerate(feeds) if f.logits]
     if not want:
         return {}
-    last = torch.tensor([offsets[i] + feeds[i].n - 1 for i in want], device=device)
+    last = torch.tensor([offsets[id(feeds[i])] + feeds[i].n - 1 for i in want], device=device)
     logits = model.lm_head(model.model.norm(x[0, last])).float()
     return {i: logits[k] for k, i in enumerate(want)}
 

@@ -5,10 +5,10 @@ the log-probs of the distribution actually sampled from (after truncation and re
 Greedy rows (temperature 0) report the log-prob under the *untempered* model distribution,
 because a greedy policy's trainer recompute uses temperature 1.
 
-Sampling uses the exponential race (``argmax p / E``, ``E ~ Exp(1)``, i.e. Gumbel-max) with one
-noise vector of size V per row drawn from that row's own generator, so a seeded request gets the
-same token whatever else is in the batch. Ties (top-k cut, top-p cut, argmax) go to the lower
-token id: the sort is stable and ``argmax`` returns the first maximum.
+Sampling inverts the CDF with one uniform number per row drawn from that row's own generator
+(float64 cumulative sums), so a seeded request gets the same token whatever else is in the
+batch, and a step costs one random number per row rather than V. Ties (top-k cut, top-p cut,
+argmax) go to the lower token id: the sort is stable and ``argmax`` returns the first maximum.
 """
 
 from __future__ import annotations
@@ -124,8 +124,12 @@ class Sampler:
         logits = logits.float()
         dev = logits.device
         model_lp = logits.log_softmax(-1)
-        tokens = logits.argmax(-1)  # greedy rows keep this
-        logprobs = model_lp.gather(-1, tokens[:, None]).squeeze(-1)
+        if any(p.temperature == 0 for p in params):
+            tokens = logits.argmax(-1)  # greedy rows keep this
+            logprobs = model_lp.gather(-1, tokens[:, None]).squeeze(-1)
+        else:
+            tokens = torch.zeros(B, dtype=torch.long, device=logits.device)
+            logprobs = torch.zeros(B, device=logits.device)
 
         # rows whose math depends only on their own params: plain (temperature only) vs truncated
         sampled = [b for b, p in enumerate(params) if p.temperature > 0]
@@ -136,20 +140,25 @@ class Sampler:
             if not rows:
                 continue
             r = torch.tensor(rows, device=dev)
-            temp = torch.tensor([params[b].temperature for b in rows], device=dev)
-            scaled = logits[r] / temp[:, None]
+            temps = [params[b].temperature for b in rows]
+            if not truncate and all(t == 1.0 for t in temps):
+                lp = model_lp[r]  # the model's own distribution: nothing to recompute
+            else:
+                scaled = logits[r] / torch.tensor(temps, device=dev)[:, None]
             if truncate:
                 k = torch.tensor([min(params[b].top_k or V, V) for b in rows], device=dev)
                 p = torch.tensor([params[b].top_p for b in rows], device=dev)
                 lp = _truncated_logprobs(scaled, k, p)
-            else:
+            elif any(t != 1.0 for t in temps):
                 lp = scaled.log_softmax(-1)
-            # per-row noise from the row's own generator: reproducible regardless of batch composition
-            noise = torch.stack(
-                [torch.empty(V, device=dev).exponential_(generator=generators[b]) for b in rows]
+            # inverse CDF with one uniform per row, drawn from the row's own generator: reproducible
+            # regardless of batch composition, and V times fewer random numbers than Gumbel noise
+            u = torch.cat(
+                [torch.rand(1, device=dev, generator=generators[b], dtype=torch.float64) for b in rows]
             )
-            score = torch.where(torch.isfinite(lp), lp - noise.log(), -math.inf)
-            tok = score.argmax(-1)
+            cdf = lp.double().exp().cumsum(-1)
+            # first index whose cdf exceeds u * total: never a probability-0 token (its cdf step is flat)
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_max(V - 1)
             tokens[r] = tok
             logprobs[r] = lp.gather(-1, tok[:, None]).squeeze(-1)
 

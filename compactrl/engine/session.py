@@ -91,7 +91,6 @@ class Session:
         self.cursor: list[int] = []
         self.fed = 0  # tokens fed to the model so far
         self.row: int | None = None  # KV row, None when not resident (new or preempted)
-        self.own_stream = np.zeros(0, dtype=np.int64)  # stream index of each entry of the own row
         self.chain: list[tuple[Segment, torch.Tensor]] = []  # shared prefixes with this session's valid bits
         self.pending_logits: torch.Tensor | None = None  # logits for token `fed`, from query fed-1
         self.drops: deque[tuple[int, list[int]]] = deque()  # KV evictions to apply once fed == e
