@@ -71,7 +71,7 @@ def _session_attention(q, kv: KVCache, layer: int, f: Feed) -> torch.Tensor:
     return sum(torch.exp(l - lse_all) * o for o, l in zip(outs, lses, strict=True))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask."""
     device = kv.device
@@ -100,6 +100,13 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
             ~visible, float("-inf")
         )
 
+    # a chunk that starts an empty row (no prefix) is plain causal attention over itself
+    later = [f for f in rest if f.entry > 0 or f.chain]
+    by_len: dict[int, list[Feed]] = {}
+    for f in rest:
+        if f.entry == 0 and not f.chain:
+            by_len.setdefault(f.n, []).append(f)
+    fresh = list(by_len.values())
     for f in rest:
         o = offsets[id(f)]
         kv.valid[f.row, f.entry : f.entry + f.n] = True
@@ -128,7 +135,16 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
             qd = q[0, :, :B].transpose(0, 1).reshape(B, kd.shape[1], -1, q.shape[-1])
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
             out[0, :, :B] = od.reshape(B, -1, q.shape[-1]).transpose(0, 1)
-        for f in rest:
+        for group in fresh:  # first chunks of equal length: one causal SDPA for the group
+            o = [offsets[id(f)] for f in group]
+            n = group[0].n
+            qs = torch.stack([q[0, :, a : a + n] for a in o])
+            ks = torch.stack([k[0, :, a : a + n] for a in o])
+            vs = torch.stack([v[0, :, a : a + n] for a in o])
+            og = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            for j, a in enumerate(o):
+                out[0, :, a : a + n] = og[j]
+        for f in later:
             o = offsets[id(f)]
             out[:, :, o : o + f.n] = _session_attention(q[:, :, o : o + f.n], kv, li, f)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(1, N, -1))

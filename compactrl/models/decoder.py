@@ -140,10 +140,15 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[B, T, head_dim]`` in float32, cast to the activation dtype (as transformers)."""
-        inv = rope_inv_freq(self.config.rope, self.config.head_dim).to(positions.device)
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:  # computed once per device (it is a function of the config alone)
+            inv = self._inv_freq[positions.device] = rope_inv_freq(self.config.rope, self.config.head_dim).to(
+                positions.device
+            )
         freqs = positions[..., None].float() * inv
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
