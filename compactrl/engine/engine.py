@@ -110,6 +110,8 @@ class Engine:
             )
 
     def fork(self, parent: Session, rollout_id: str | None) -> Session:
+        while parent.unfed:  # feed the parent first, so that everything it holds is shared
+            self.step()
         child = self.session(rollout_id)
         for name in RECORD_FIELDS:
             setattr(child, name, list(getattr(parent, name)))

@@ -194,7 +194,8 @@ class Session:
         return len(idx)
 
     def fork(self, rollout_id: str | None = None) -> Session:
-        """A child sharing this session's KV (no copy): both read it as a frozen prefix."""
+        """A child sharing this session's KV (no copy): both read it as a frozen prefix. Tokens
+        appended but not yet fed are fed first (the engine steps), so the whole stream is shared."""
         self._check_open("fork")
         self._check_idle("fork")
         return self.engine.fork(self, rollout_id)
