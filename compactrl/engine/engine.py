@@ -249,25 +249,43 @@ class Engine:
         ready = [s for s in self.active if s.generating and s.unfed == 0 and s.pending_logits is not None]
         if ready:
             self._sample(ready)
+        feeds, pool_used = self._schedule()
+        if feeds:
+            t0 = time.perf_counter()
+            logits = forward_step(self.model, self.kv, feeds)
+            self.totals["forward_s"] += time.perf_counter() - t0
+            for i, f in enumerate(feeds):
+                self._fed(f, logits.get(i))
+        self.totals["steps"] += 1
+        self.totals["peak_kv_tokens"] = max(self.totals["peak_kv_tokens"], pool_used)
+        for s in list(self.active):
+            if not s.busy:
+                del self.active[s]
+        if not feeds and not ready and self.active:
+            stuck = ", ".join(s.id for s in self.active)
+            raise RuntimeError(f"no progress possible for sessions {stuck}: the KV pool cannot hold them")
+        return sum(f.n for f in feeds)
+
+    def _schedule(self) -> tuple[list[Feed], int]:
+        """Pick this step's tokens: decode tokens first, then prefill chunks in arrival order, within
+        ``max_step_tokens``; admit (or resume) sessions and preempt others to fit the KV pool."""
         feeds: list[Feed] = []
         picked: set[Session] = set()
         budget = self.config.max_step_tokens
         pool_used = self.kv_tokens_used()
-        # generating sessions first (one token each), then prefill chunks in arrival order
-        order = sorted(self.active, key=lambda s: not s.generating)
-        for s in order:
+        for s in sorted(self.active, key=lambda s: not s.generating):
             if budget <= 0:
                 break
             if s.unfed == 0:
                 continue
             if s.row is None:  # new or preempted: (re)admit it, recomputing what it had fed
-                pool_used = self._make_room(self._blocks(s.live), picked | {s}, pool_used)
-                if pool_used is None:
+                room = self._make_room(self._blocks(s.live), picked | {s}, pool_used)
+                if room is None:
                     pool_used = self.kv_tokens_used()
                     continue
                 self._restore(s)
                 self._apply_drops(s)
-                pool_used += self._blocks(self.kv.used[s.row])
+                pool_used = room + self._blocks(self.kv.used[s.row])
             limit = s.drops[0][0] - s.fed if s.drops else s.unfed  # an eviction splits the chunk
             n = min(s.unfed, limit, budget)
             before = self._blocks(self.kv.used[s.row])
@@ -281,29 +299,18 @@ class Engine:
             feeds.append(Feed(s, s.tokens[s.fed : s.fed + n], s.fed, entry, s.row, s.chain, logits=done))
             picked.add(s)
             budget -= n
-        if feeds:
-            t0 = time.perf_counter()
-            logits = forward_step(self.model, self.kv, feeds)
-            self.totals["forward_s"] += time.perf_counter() - t0
-            for i, f in enumerate(feeds):
-                s = f.session
-                sampled = sum(s.trainable[f.start : f.start + f.n])
-                s.metrics.prefill_tokens += f.n - sampled
-                if sampled and f.n == 1:  # a decode step reads the whole live KV
-                    s.metrics.kv_reads += s.live
-                s.fed += f.n
-                if i in logits:
-                    s.pending_logits = logits[i]
-                self._apply_drops(s)
-        self.totals["steps"] += 1
-        self.totals["peak_kv_tokens"] = max(self.totals["peak_kv_tokens"], self.kv_tokens_used())
-        for s in list(self.active):
-            if not s.busy:
-                del self.active[s]
-        if not feeds and not ready and self.active:
-            stuck = ", ".join(s.id for s in self.active)
-            raise RuntimeError(f"no progress possible for sessions {stuck}: the KV pool cannot hold them")
-        return sum(f.n for f in feeds)
+        return feeds, pool_used
+
+    def _fed(self, f: Feed, logits: torch.Tensor | None) -> None:
+        s = f.session
+        sampled = sum(s.trainable[f.start : f.start + f.n])
+        s.metrics.prefill_tokens += f.n - sampled
+        if sampled and f.n == 1:  # a decode step reads the whole live KV
+            s.metrics.kv_reads += s.live
+        s.fed += f.n
+        if logits is not None:
+            s.pending_logits = logits
+        self._apply_drops(s)
 
     def run(self, until: list[Generation] | None = None) -> None:
         """Step until every session is idle (or the given generations are done)."""
