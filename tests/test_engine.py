@@ -137,6 +137,31 @@ def test_fork_right_after_append_feeds_then_shares(tiny_lm):
     assert_matches_trainer(tiny_lm, [s, *kids])
 
 
+def test_rows_are_compacted_lazily_and_stay_exact(tiny_lm):
+    eng = engine(tiny_lm)
+    s = eng.session()
+    s.append(list(range(200)))
+    eng.run()
+    s.evict([(10, 120)])  # over a quarter of the row becomes holes
+    eng.run()  # applies the eviction: valid bits only, no data moves yet
+    assert eng.kv.used[s.row] == 200 and eng.kv.dead[s.row] == 110
+    s.append([7, 8, 9])
+    s.generate(SamplingParams(max_tokens=5, seed=0, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert eng.kv.dead[s.row] == 0 and eng.kv.used[s.row] == 200 - 110 + 3 + 5
+    assert eng.kv.stream_index(s.row)[:12].tolist() == list(range(10)) + [120, 121]
+    assert_matches_trainer(tiny_lm, [s])
+
+
+def test_block_size_rounds_pool_accounting(tiny_lm):
+    eng = Engine(tiny_lm, None, EngineConfig(kv_pool_tokens=4096, block_size=16))
+    a, b = eng.session(), eng.session()
+    a.append(list(range(17)))
+    b.append(list(range(40)))
+    eng.run()
+    assert eng.kv_tokens_used() == 32 + 48
+
+
 def test_same_seed_same_tokens_whatever_the_batch(tiny_lm):
     def sample(companions):
         eng = engine(tiny_lm)

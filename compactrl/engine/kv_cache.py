@@ -126,18 +126,3 @@ class KVCache:
         self.valid[row, : self.used[row]] = False
         self.valid[row, :n] = True
         self.used[row], self.dead[row] = n, 0
-
-    def swap(self, a: int, b: int) -> None:
-        """Exchange two rows (used to keep decoding sessions in one contiguous block)."""
-        if a == b:
-            return
-        n = max(self.used[a], self.used[b])
-        for store in (self.k, self.v):
-            for t in store:
-                t[[a, b], :, :n] = t[[b, a], :, :n]  # the right side is an advanced-index copy
-        self.valid[[a, b], :n] = self.valid[[b, a], :n]
-        self.pos[[a, b], :n] = self.pos[[b, a], :n]
-        self.used[a], self.used[b] = self.used[b], self.used[a]
-        self.dead[a], self.dead[b] = self.dead[b], self.dead[a]
-        if a in self.free or b in self.free:
-            self.free = [b if r == a else a if r == b else r for r in self.free]
