@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -30,6 +31,28 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable J
 def fail(message: str, code: int = 2) -> None:
     err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
     raise typer.Exit(code)
+
+
+@contextmanager
+def progress_bar(label: str):
+    """Yields ``progress(total) -> advance()`` for the library's long loops (stderr, tty only)."""
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not sys.stderr.isatty()) as bar:
+
+        def progress(total: int):
+            task = bar.add_task(label, total=total)
+            return lambda: bar.advance(task)
+
+        yield progress
+
+
+def check_model_args(model_dir: Path | None, size: str) -> None:
+    from compactrl.models.tiny import SIZES
+
+    if size not in SIZES:
+        fail(f"--size {size!r} is not one of {list(SIZES)}")
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json")
 
 
 def emit_json(data: dict, path: Path | None = None) -> None:
@@ -244,13 +267,9 @@ def bench_trainer(
 
     from compactrl.bench.synthetic import STRATEGIES, check_shape
     from compactrl.bench.trainer import run_trainer_bench
-    from compactrl.models.tiny import SIZES
 
     strategies = tuple(strategy or STRATEGIES)
-    if size not in SIZES:
-        fail(f"--size {size!r} is not one of {list(SIZES)}")
-    if model_dir is not None and not (model_dir / "config.json").exists():
-        fail(f"--model {model_dir} has no config.json")
+    check_model_args(model_dir, size)
     for name, v in (("tokens", tokens), ("budget", budget), ("turn-len", turn_len), ("threads", threads)):
         if v <= 0:
             fail(f"--{name} must be positive, got {v}")
@@ -272,15 +291,7 @@ def bench_trainer(
     except ValueError as e:
         fail(f"{e} (--strategy / --budget / --turn-len)")
 
-    with Progress(
-        TextColumn("bench trainer"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=not sys.stderr.isatty(),
-    ) as bar:  # fmt: skip
-
-        def progress(total: int):
-            task = bar.add_task("runs", total=total)
-            return lambda: bar.advance(task)
-
+    with progress_bar("bench trainer") as progress:
         try:
             result = run_trainer_bench(
                 model_dir, strategies=strategies, n_tokens=tokens, budget=budget, turn_len=turn_len,
@@ -341,13 +352,9 @@ def bench_engine(
 ) -> None:
     """Decode/prefill throughput of our engine vs transformers `generate` (and vLLM), and eviction cost."""
     from compactrl.bench.engine import run_engine_bench
-    from compactrl.models.tiny import SIZES
 
     batches, contexts = tuple(batch or (1, 8, 32)), tuple(context or (128, 2048))
-    if size not in SIZES:
-        fail(f"--size {size!r} is not one of {list(SIZES)}")
-    if model_dir is not None and not (model_dir / "config.json").exists():
-        fail(f"--model {model_dir} has no config.json")
+    check_model_args(model_dir, size)
     if min(batches) < 1 or min(contexts) < 4 or new_tokens < 2 or threads < 1 or repeats < 1:
         fail(
             "--batch >= 1, --context >= 4, --new-tokens >= 2, --threads >= 1 and --repeats >= 1 are required"
@@ -358,15 +365,7 @@ def bench_engine(
         import transformers  # noqa: F401
     except ImportError:
         fail("bench engine compares against transformers: pip install 'compactrl[test]'")
-    with Progress(
-        TextColumn("bench engine"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=not sys.stderr.isatty(),
-    ) as bar:  # fmt: skip
-
-        def progress(total: int):
-            task = bar.add_task("settings", total=total)
-            return lambda: bar.advance(task)
-
+    with progress_bar("bench engine") as progress:
         result = run_engine_bench(
             model_dir, batches=batches, contexts=contexts, new_tokens=new_tokens, size=size,
             threads=threads, repeats=repeats, vllm_python=vllm_python, progress=progress,
