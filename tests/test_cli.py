@@ -108,3 +108,15 @@ def test_bench_trainer_json_matches_cost_model(model_dir):
 def test_bench_trainer_rejects_bad_args_before_work(args, message):
     r = runner.invoke(app, ["bench", "trainer", *args])
     assert r.exit_code == 2 and message in " ".join(r.output.split())
+
+
+def test_verify_engine_and_trainer_commands():
+    r = runner.invoke(app, ["verify", "engine", "--sessions", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["max_abs_logprob_diff"] < 5e-5 and out["reprefill_diff"] > 0.1
+    r = runner.invoke(app, ["verify", "trainer", "--streams", "2", "--length", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["ok"]
+    r = runner.invoke(app, ["verify", "engine", "--pool", "10"])
+    assert r.exit_code == 2 and "--pool" in r.output
