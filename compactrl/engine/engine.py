@@ -3,7 +3,8 @@
 Each :meth:`Engine.step` (1) applies evictions that are due, (2) samples the next token of
 every generating session from the logits of its last fed token, (3) picks the tokens to feed
 (decode tokens first, then prefill chunks, within ``max_step_tokens`` and the KV pool),
-preempting the most recently admitted sessions when the pool is full, and (4) runs one forward.
+preempting idle resident sessions, then the most recently admitted busy ones, when the pool
+is full, and (4) runs one forward.
 
 Preemption drops a session's KV; it resumes by recomputing its whole stream under its eviction
 mask (:func:`~compactrl.engine.runner.prefill_stream`), which reproduces the dropped K/V exactly.
@@ -175,7 +176,7 @@ class Engine:
         victims = [s for s in self.sessions if s.row is not None and s not in keep and not s.closed]
         if not victims:
             return False
-        v = max(victims, key=lambda s: s.admitted_at)
+        v = max(victims, key=lambda s: (not s.busy, s.admitted_at))  # idle ones first, then LIFO
         self.release(v)
         v.metrics.preemptions += 1
         if v.busy:
