@@ -137,6 +137,22 @@ def test_fork_right_after_append_feeds_then_shares(tiny_lm):
     assert_matches_trainer(tiny_lm, [s, *kids])
 
 
+@pytest.mark.parametrize("generating", [[0, 2, 4, 6, 8, 9], [0, 1, 2, 5, 6, 9]])
+def test_decode_over_scattered_rows(tiny_lm, generating):
+    """Decode rows that are not one block: several runs of views, or one gathered copy."""
+    eng = engine(tiny_lm)
+    sessions = [eng.session() for _ in range(10)]
+    for k, s in enumerate(sessions):
+        s.append([(k * 13 + i) % 300 for i in range(10 + 3 * k)])
+    eng.run()
+    rows = [s.row for s in sessions]
+    assert rows == sorted(rows) and rows[-1] - rows[0] == 9
+    for k in generating:
+        sessions[k].generate(SamplingParams(max_tokens=6, seed=k, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert_matches_trainer(tiny_lm, [sessions[k] for k in generating])
+
+
 def test_rows_are_compacted_lazily_and_stay_exact(tiny_lm):
     eng = engine(tiny_lm)
     s = eng.session()

@@ -71,6 +71,14 @@ def _session_attention(q, kv: KVCache, layer: int, f: Feed) -> torch.Tensor:
     return sum(torch.exp(l - lse_all) * o for o, l in zip(outs, lses, strict=True))
 
 
+def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tensor:
+    """Queries ``a:b`` of a decode batch over cache rows ``row : row + b - a`` (a view), ``n`` entries."""
+    rows = slice(row, row + b - a)
+    return F.scaled_dot_product_attention(
+        q[a:b], K[rows, :, :n], V[rows, :, :n], attn_mask=mask[a:b, ..., :n]
+    )
+
+
 @torch.inference_mode()
 def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask."""
@@ -91,8 +99,13 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
         d_rows = torch.tensor([f.row for f in dec], device=device)
         d_ent = torch.tensor([f.entry for f in dec], device=device)
         length = max(f.entry for f in dec) + 1
-        r0 = dec[0].row
-        contiguous = d_rows.tolist() == list(range(r0, r0 + B))  # rows in a block: a view, no copy
+        # maximal runs of consecutive rows: each is a view of the cache (no copy) with its own length
+        runs, b0 = [], 0
+        for b in range(1, B + 1):
+            if b == B or dec[b].row != dec[b - 1].row + 1:
+                runs.append((b0, b, dec[b0].row, max(f.entry for f in dec[b0:b]) + 1))
+                b0 = b
+        gather = len(runs) > 4  # many scattered rows: one gathered copy beats many small calls
         kv.valid[d_rows, d_ent] = True
         kv.pos[d_rows, d_ent] = positions[:B]
         visible = kv.valid[d_rows, :length][:, None, None, :]
@@ -126,14 +139,14 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
             K[f.row, :, f.entry : f.entry + f.n] = k[0, :, o : o + f.n]
             V[f.row, :, f.entry : f.entry + f.n] = v[0, :, o : o + f.n]
         if B:
-            if contiguous:
-                kd, vd = K[r0 : r0 + B, :, :length], V[r0 : r0 + B, :, :length]
-            else:
-                kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
             # GQA decode: the G query heads sharing a KV head go in as G queries, so each KV row is
             # read once per KV head instead of once per query head (about 2x faster on CPU)
-            qd = q[0, :, :B].transpose(0, 1).reshape(B, kd.shape[1], -1, q.shape[-1])
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
+            qd = q[0, :, :B].transpose(0, 1).reshape(B, K.shape[1], -1, q.shape[-1])
+            if gather:
+                kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
+            else:
+                od = torch.cat([_attend_rows(qd, K, V, d_mask, *run) for run in runs])
             out[0, :, :B] = od.reshape(B, -1, q.shape[-1]).transpose(0, 1)
         for group in fresh:  # first chunks of equal length: one causal SDPA for the group
             o = [offsets[id(f)] for f in group]
