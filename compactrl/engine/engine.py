@@ -223,9 +223,9 @@ class Engine:
         gens: list[Generation] = [s.generation for s in ready]
         logits = torch.stack([s.pending_logits for s in ready])
         out = self.sampler.sample(logits, [g.params for g in gens], [g.generator for g in gens])
-        for k, (s, g) in enumerate(zip(ready, gens, strict=True)):
-            tok, lp = int(out.tokens[k]), float(out.logprobs[k])
-            mlp = float(out.model_logprobs[k]) if out.model_logprobs is not None else None
+        toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+        mlps = out.model_logprobs.tolist() if out.model_logprobs is not None else [None] * len(ready)
+        for s, g, tok, lp, mlp in zip(ready, gens, toks, lps, mlps, strict=True):
             s._extend([tok], role=g.role, turn=g.turn, lp=lp, model_lp=mlp)
             s.pending_logits = None
             g.tokens.append(tok)

@@ -2,8 +2,9 @@
 
 All tokens of the step go through the linear layers together (``[1, N, d]``). Attention is
 where sessions differ: single decode tokens of sessions without a shared prefix attend their
-rows in one batched SDPA; prefill chunks (and sessions reading a forked prefix) attend per
-session, merging the prefix and own-row parts by log-sum-exp.
+rows batched (one SDPA per run of consecutive rows, each a view of the cache); first prefill
+chunks of equal length share one causal SDPA; later chunks (and sessions reading a forked
+prefix) attend per session, merging the prefix and own-row parts by log-sum-exp.
 """
 
 from __future__ import annotations
