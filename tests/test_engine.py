@@ -351,3 +351,27 @@ def test_metrics_count_what_happened(tiny_lm):
     assert m.kv_reads == sum(range(21, 26)) + sum(range(25, 28))
     t = s.trace()
     assert t.segment.max() == 1 and set(t.role) == {"user", "assistant"}
+
+
+def test_hundreds_of_async_agents_in_an_oversubscribed_pool(tiny_lm):
+    async def main():
+        eng = engine(tiny_lm, pool=4000, step=1024)
+        server = asyncio.create_task(eng.serve())
+
+        async def agent(k):
+            s = eng.session(f"a{k}")
+            s.append([(k + i) % 300 for i in range(24)])
+            for turn in range(2):
+                await s.agenerate(SamplingParams(max_tokens=6, seed=k, ignore_eos=True, model_logprobs=True))
+                s.evict([(1 + 5 * turn, 6 + 5 * turn)])
+                s.append([5, 6])
+            return s
+
+        sessions = await asyncio.gather(*(agent(k) for k in range(200)))
+        server.cancel()
+        return eng, sessions
+
+    eng, sessions = asyncio.run(main())
+    assert all(len(s.tokens) == 24 + 2 * (6 + 2) for s in sessions)
+    assert eng.metrics()["preemptions"] > 0  # 200 x 40 tokens do not fit in 4000
+    assert_matches_trainer(tiny_lm, sessions[::20])

@@ -172,8 +172,11 @@ class Engine:
                 else:
                     raise AssertionError(f"session {s.id}: token {j} is live but not in its KV")
 
-    def _preempt_one(self, keep: set[Session]) -> bool:
-        victims = [s for s in self.sessions if s.row is not None and s not in keep and not s.closed]
+    def _preempt_one(self, keep: set[Session], idle_only: bool) -> bool:
+        victims = [
+            s for s in self.sessions
+            if s.row is not None and s not in keep and not s.closed and not (idle_only and s.busy)
+        ]  # fmt: skip
         if not victims:
             return False
         v = max(victims, key=lambda s: (not s.busy, s.admitted_at))  # idle ones first, then LIFO
@@ -183,10 +186,12 @@ class Engine:
             self.wake(v)
         return True
 
-    def _make_room(self, need: int, keep: set[Session], used: int) -> int | None:
-        """Preempt until ``need`` more tokens fit; returns the pool usage then, or None if they can't."""
+    def _make_room(self, need: int, keep: set[Session], used: int, idle_only: bool = False) -> int | None:
+        """Preempt until ``need`` more tokens fit; returns the pool usage then, or None if they can't.
+        Admissions only displace idle sessions (so busy ones are not thrashed); growth may displace
+        busy ones too."""
         while used + need > self.config.kv_pool_tokens:
-            if not self._preempt_one(keep):
+            if not self._preempt_one(keep, idle_only):
                 return None
             used = self.kv_tokens_used()
         return used
@@ -280,7 +285,7 @@ class Engine:
             if s.unfed == 0:
                 continue
             if s.row is None:  # new or preempted: (re)admit it, recomputing what it had fed
-                room = self._make_room(self._blocks(s.live), picked | {s}, pool_used)
+                room = self._make_room(self._blocks(s.live), picked | {s}, pool_used, idle_only=True)
                 if room is None:
                     pool_used = self.kv_tokens_used()
                     continue
