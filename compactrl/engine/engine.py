@@ -2,9 +2,9 @@
 
 Each :meth:`Engine.step` (1) applies evictions that are due, (2) samples the next token of
 every generating session from the logits of its last fed token, (3) picks the tokens to feed
-(decode tokens first, then prefill chunks, within ``max_step_tokens`` and the KV pool),
-preempting idle resident sessions, then the most recently admitted busy ones, when the pool
-is full, and (4) runs one forward.
+(decode tokens first, then prefill chunks, within ``max_step_tokens`` and the KV pool), and
+(4) runs one forward. When the pool is full, admitting a session displaces only idle residents;
+a running session that must grow may also displace the most recently admitted busy ones.
 
 Preemption drops a session's KV; it resumes by recomputing its whole stream under its eviction
 mask (:func:`~compactrl.engine.runner.prefill_stream`), which reproduces the dropped K/V exactly.
