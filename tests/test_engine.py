@@ -253,6 +253,7 @@ def test_bad_input_is_refused_and_leaves_sessions_untouched(tiny_lm):
         (lambda: a.evict([(10, 12), (11, 13)]), "overlap"),
         (lambda: a.append(list(range(300)) * 2), "pool holds 500"),
         (lambda: a.generate(SamplingParams(max_tokens=40000)), "position"),
+        (lambda: a.append([1] * 40000), "positions"),
         (lambda: a.append([1], role="robot"), "role"),
         (lambda: a.generate(SamplingParams(stop=["x"])), "tokenizer"),
         (lambda: eng.session().generate(), "append a prompt"),

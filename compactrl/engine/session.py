@@ -117,6 +117,11 @@ class Session:
         bad = [t for t in toks if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise SessionError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
+        if len(self.tokens) + len(toks) > self.engine.max_positions:
+            raise SessionError(
+                f"appending {len(toks)} tokens would take the stream past the model's "
+                f"{self.engine.max_positions} positions; compact (evict) first or start a new session"
+            )
         self.engine.check_fits(self, len(toks))
         turn = (self.turn[-1] + 1 if self.turn else 0) if turn is None else turn
         self._extend(toks, role=role, turn=turn, cursor=cursor)
