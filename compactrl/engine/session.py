@@ -120,7 +120,8 @@ class Session:
         if len(self.tokens) + len(toks) > self.engine.max_positions:
             raise SessionError(
                 f"appending {len(toks)} tokens would take the stream past the model's "
-                f"{self.engine.max_positions} positions; compact (evict) first or start a new session"
+                f"{self.engine.max_positions} positions (stream positions are never renumbered, so evicting "
+                "does not free them); start a new session"
             )
         self.engine.check_fits(self, len(toks))
         turn = (self.turn[-1] + 1 if self.turn else 0) if turn is None else turn
@@ -141,7 +142,7 @@ class Session:
         if end > limit:
             raise SessionError(
                 f"max_tokens={params.max_tokens} would take the stream to {end} positions, beyond the "
-                f"model's limit of {limit}; lower max_tokens or compact first"
+                f"model's limit of {limit} (evicting does not free positions); lower max_tokens"
             )
         if params.stop and self.engine.tokenizer is None:
             raise SessionError("stop strings need a tokenizer: create the engine with one")
