@@ -141,16 +141,14 @@ class Sampler:
                 continue
             r = torch.tensor(rows, device=dev)
             temps = [params[b].temperature for b in rows]
-            if not truncate and all(t == 1.0 for t in temps):
-                lp = model_lp[r]  # the model's own distribution: nothing to recompute
-            else:
-                scaled = logits[r] / torch.tensor(temps, device=dev)[:, None]
             if truncate:
                 k = torch.tensor([min(params[b].top_k or V, V) for b in rows], device=dev)
                 p = torch.tensor([params[b].top_p for b in rows], device=dev)
-                lp = _truncated_logprobs(scaled, k, p)
-            elif any(t != 1.0 for t in temps):
-                lp = scaled.log_softmax(-1)
+                lp = _truncated_logprobs(logits[r] / torch.tensor(temps, device=dev)[:, None], k, p)
+            elif all(t == 1.0 for t in temps):
+                lp = model_lp[r]  # the model's own distribution: nothing to recompute
+            else:
+                lp = (logits[r] / torch.tensor(temps, device=dev)[:, None]).log_softmax(-1)
             # inverse CDF with one uniform per row, drawn from the row's own generator: reproducible
             # regardless of batch composition, and V times fewer random numbers than Gumbel noise
             u = torch.cat(
