@@ -16,13 +16,14 @@ import torch
 
 from compactrl.engine.sampling import SamplingParams
 from compactrl.masks import dense_mask
+from compactrl.models.config import FAMILIES as MODEL_FAMILIES
 from compactrl.models.config import load_config
 from compactrl.models.loading import config_summary, load_model, resolve_dtype
 from compactrl.models.tiny import init_random, tiny_config, write_tiny_model
 from compactrl.rl.forward import reprefill_logprobs, stream_logprobs
 from compactrl.rl.reference import incremental_logprobs, random_eviction_stream
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = tuple(MODEL_FAMILIES)
 
 
 def _import_transformers():

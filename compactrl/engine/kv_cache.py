@@ -25,7 +25,6 @@ class Segment:
 
     row: int
     stream_index: np.ndarray
-    parent: Segment | None = None
     refs: int = 0
 
     @property
@@ -60,7 +59,8 @@ class KVCache:
         return self.valid.shape[1]
 
     def nbytes(self) -> int:
-        return 2 * sum(t.numel() * t.element_size() for t in self.k) + self.valid.numel()
+        kv = 2 * sum(t.numel() * t.element_size() for t in self.k)
+        return kv + self.valid.numel() + self.pos.numel() * self.pos.element_size()
 
     # ---- rows ---------------------------------------------------------------------------
     def alloc(self) -> int:
