@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache, Segment
 from compactrl.engine.runner import Feed, forward_step, prefill_stream
 from compactrl.engine.sampling import Sampler, find_stop
@@ -61,6 +62,7 @@ class Engine:
         p = next(model.parameters())
         self.kv = KVCache(model.config, p.dtype, p.device)
         self.sampler = Sampler()
+        self.projections = [FusedProjection(layer.self_attn) for layer in model.model.layers]
         self.sessions: list[Session] = []
         self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
         self.segments: set[Segment] = set()
@@ -258,7 +260,7 @@ class Engine:
         feeds, pool_used = self._schedule()
         if feeds:
             t0 = time.perf_counter()
-            logits = forward_step(self.model, self.kv, feeds)
+            logits = forward_step(self.model, self.kv, feeds, self.projections)
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):
                 self._fed(f, logits.get(i))

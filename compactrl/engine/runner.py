@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache
 from compactrl.masks import chunked_mask
 from compactrl.models.attention import attend
@@ -81,7 +82,9 @@ def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tenso
 
 
 @torch.inference_mode()
-def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, torch.Tensor]:
+def forward_step(
+    model: CausalLM, kv: KVCache, feeds: list[Feed], projections: list[FusedProjection]
+) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask."""
     device = kv.device
     # single decode tokens (no shared prefix) go first, ordered by row: their attention is one
@@ -125,49 +128,47 @@ def forward_step(model: CausalLM, kv: KVCache, feeds: list[Feed]) -> dict[int, t
         o = offsets[id(f)]
         kv.valid[f.row, f.entry : f.entry + f.n] = True
         kv.pos[f.row, f.entry : f.entry + f.n] = positions[o : o + f.n]
-    x = model.model.embed_tokens(tokens)[None]
+    x = model.model.embed_tokens(tokens)
     cos, sin = model.rope(positions[None], x.dtype)
     for li, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-        out = torch.empty_like(q)
+        q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0])  # [N, heads, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
         K, V = kv.k[li], kv.v[li]
         if B:
-            K[d_rows, :, d_ent] = k[0, :, :B].transpose(0, 1)
-            V[d_rows, :, d_ent] = v[0, :, :B].transpose(0, 1)
+            K[d_rows, :, d_ent] = k[:B]
+            V[d_rows, :, d_ent] = v[:B]
         for f in rest:
             o = offsets[id(f)]
-            K[f.row, :, f.entry : f.entry + f.n] = k[0, :, o : o + f.n]
-            V[f.row, :, f.entry : f.entry + f.n] = v[0, :, o : o + f.n]
+            K[f.row, :, f.entry : f.entry + f.n] = k[o : o + f.n].transpose(0, 1)
+            V[f.row, :, f.entry : f.entry + f.n] = v[o : o + f.n].transpose(0, 1)
         if B:
             # GQA decode: the G query heads sharing a KV head go in as G queries, so each KV row is
             # read once per KV head instead of once per query head (about 2x faster on CPU)
-            qd = q[0, :, :B].transpose(0, 1).reshape(B, K.shape[1], -1, q.shape[-1])
+            qd = q[:B].reshape(B, K.shape[1], -1, q.shape[-1])
             if gather:
                 kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
             else:
                 od = torch.cat([_attend_rows(qd, K, V, d_mask, *run) for run in runs])
-            out[0, :, :B] = od.reshape(B, -1, q.shape[-1]).transpose(0, 1)
+            out[:B] = od.reshape(B, *q.shape[1:])
         for group in fresh:  # first chunks of equal length: one causal SDPA for the group
             o = [offsets[id(f)] for f in group]
             n = group[0].n
-            qs = torch.stack([q[0, :, a : a + n] for a in o])
-            ks = torch.stack([k[0, :, a : a + n] for a in o])
-            vs = torch.stack([v[0, :, a : a + n] for a in o])
+            qs, ks, vs = (torch.stack([t[a : a + n].transpose(0, 1) for a in o]) for t in (q, k, v))
             og = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             for j, a in enumerate(o):
-                out[0, :, a : a + n] = og[j]
+                out[a : a + n] = og[j].transpose(0, 1)
         for f in later:
             o = offsets[id(f)]
-            out[:, :, o : o + f.n] = _session_attention(q[:, :, o : o + f.n], kv, li, f)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(1, N, -1))
+            heads = q[o : o + f.n].transpose(0, 1)[None]
+            out[o : o + f.n] = _session_attention(heads, kv, li, f)[0].transpose(0, 1)
+        x = x + layer.self_attn.o_proj(out.view(N, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     want = [i for i, f in enumerate(feeds) if f.logits]
     if not want:
         return {}
     last = torch.tensor([offsets[id(feeds[i])] + feeds[i].n - 1 for i in want], device=device)
-    logits = model.lm_head(model.model.norm(x[0, last])).float()
+    logits = model.lm_head(model.model.norm(x[last])).float()
     return {i: logits[k] for k, i in enumerate(want)}
 
 

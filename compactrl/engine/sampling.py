@@ -14,6 +14,7 @@ argmax) go to the lower token id: the sort is stable and ``argmax`` returns the 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import pydantic
@@ -85,13 +86,13 @@ class SampleOutput:
     model_logprobs: torch.Tensor | None  # float32 [B], log_softmax(raw logits); None if no row asked
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A seeded generator for one request; None (global RNG) when the request has no seed."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+def make_generator(seed: int | None) -> random.Random | None:
+    """A seeded generator for one request; None (torch's global RNG) when the request has no seed.
+
+    A step draws one uniform number per row, so a plain Python generator does it without a tensor
+    call per row, and its state pickles with a checkpoint.
+    """
+    return None if seed is None else random.Random(seed)
 
 
 def find_stop(text: str, stops: list[str]) -> int | None:
@@ -117,49 +118,42 @@ class Sampler:
     """Samples one token per row. Stateless: each request owns its generator (see ``make_generator``)."""
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None]
     ) -> SampleOutput:
         B, V = logits.shape
         assert len(params) == B and len(generators) == B, "one SamplingParams and generator per row"
         logits = logits.float()
         dev = logits.device
         model_lp = logits.log_softmax(-1)
-        if any(p.temperature == 0 for p in params):
-            tokens = logits.argmax(-1)  # greedy rows keep this
-            logprobs = model_lp.gather(-1, tokens[:, None]).squeeze(-1)
+        temps = [p.temperature for p in params]
+        # greedy rows keep the argmax and its untempered log-prob (temperature 1 in what follows)
+        greedy = [t == 0 for t in temps]
+        trunc = [b for b, p in enumerate(params) if not greedy[b] and (0 < p.top_k < V or p.top_p < 1)]
+        if all(t in (0.0, 1.0) for t in temps) and not trunc:
+            lp = model_lp  # every row samples the model's own distribution: nothing to recompute
         else:
-            tokens = torch.zeros(B, dtype=torch.long, device=logits.device)
-            logprobs = torch.zeros(B, device=logits.device)
+            scale = torch.tensor([t or 1.0 for t in temps], device=dev)[:, None]
+            lp = (logits / scale).log_softmax(-1)
+            if trunc:
+                r = torch.tensor(trunc, device=dev)
+                k = torch.tensor([min(params[b].top_k or V, V) for b in trunc], device=dev)
+                p = torch.tensor([params[b].top_p for b in trunc], device=dev)
+                lp[r] = _truncated_logprobs(logits[r] / scale[r], k, p)
 
-        # rows whose math depends only on their own params: plain (temperature only) vs truncated
-        sampled = [b for b, p in enumerate(params) if p.temperature > 0]
-        is_plain = [(params[b].top_k == 0 or params[b].top_k >= V) and params[b].top_p >= 1 for b in sampled]
-        plain = [b for b, pl in zip(sampled, is_plain) if pl]
-        trunc = [b for b, pl in zip(sampled, is_plain) if not pl]
-        for rows, truncate in ((plain, False), (trunc, True)):
-            if not rows:
-                continue
-            r = torch.tensor(rows, device=dev)
-            temps = [params[b].temperature for b in rows]
-            if truncate:
-                k = torch.tensor([min(params[b].top_k or V, V) for b in rows], device=dev)
-                p = torch.tensor([params[b].top_p for b in rows], device=dev)
-                lp = _truncated_logprobs(logits[r] / torch.tensor(temps, device=dev)[:, None], k, p)
-            elif all(t == 1.0 for t in temps):
-                lp = model_lp[r]  # the model's own distribution: nothing to recompute
-            else:
-                lp = (logits[r] / torch.tensor(temps, device=dev)[:, None]).log_softmax(-1)
-            # inverse CDF with one uniform per row, drawn from the row's own generator: reproducible
-            # regardless of batch composition, and V times fewer random numbers than Gumbel noise
-            u = torch.cat(
-                [torch.rand(1, device=dev, generator=generators[b], dtype=torch.float64) for b in rows]
-            )
+        if all(greedy):
+            tokens = logits.argmax(-1)
+        else:
+            # inverse CDF with one uniform per row from the row's own generator: reproducible whatever
+            # else is in the batch, and V times fewer random numbers than Gumbel noise
+            unseeded = iter(torch.rand(sum(g is None for g in generators), dtype=torch.float64).tolist())
+            u = [0.0 if gr else (g.random() if g else next(unseeded)) for gr, g in zip(greedy, generators)]
             cdf = lp.double().exp().cumsum(-1)
-            # first index whose cdf exceeds u * total: never a probability-0 token (its cdf step is flat)
-            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_max(V - 1)
-            tokens[r] = tok
-            logprobs[r] = lp.gather(-1, tok[:, None]).squeeze(-1)
-
+            target = torch.tensor(u, dtype=torch.float64, device=dev) * cdf[:, -1]
+            # first index whose cdf exceeds the target: never a probability-0 token (a flat cdf step)
+            tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_max(V - 1)
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), tokens)
+        logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1)
         want_model = any(p.model_logprobs for p in params)
         model_out = model_lp.gather(-1, tokens[:, None]).squeeze(-1) if want_model else None
         return SampleOutput(tokens=tokens, logprobs=logprobs, model_logprobs=model_out)

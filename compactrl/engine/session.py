@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class Generation:
 
     session: Session
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: random.Random | None
     stop_ids: frozenset[int]
     start: int  # stream index of the first generated token
     turn: int
