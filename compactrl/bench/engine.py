@@ -80,12 +80,16 @@ def _hf(hf_model, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
     return clock.times[1] - t0, (clock.times[-1] - clock.times[1]) * new_tokens / (new_tokens - 1)
 
 
-def _rates(run, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(decode tokens/s, prefill tokens/s): medians over ``repeats`` runs."""
-    times = [run(prompts, new_tokens) for _ in range(repeats)]
-    prefill, decode = (float(np.median([t[i] for t in times])) for i in (0, 1))
+def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, float]]:
+    """Per engine (decode tokens/s, prefill tokens/s), medians over ``repeats`` rounds. The engines
+    take turns within each round, so a slow phase of a shared machine hits them alike."""
+    times = [[run(prompts, new_tokens) for run in runs] for _ in range(repeats)]
     B, C = len(prompts), len(prompts[0])
-    return B * new_tokens / decode, B * C / prefill
+    out = []
+    for e in range(len(runs)):
+        prefill, decode = (float(np.median([t[e][i] for t in times])) for i in (0, 1))
+        out.append((B * new_tokens / decode, B * C / prefill))
+    return out
 
 
 def eviction_cost(model, context: int, repeats: int = 20) -> dict:
@@ -160,8 +164,8 @@ def run_engine_bench(
         for context in contexts:
             for batch in batches:
                 prompts = _prompts(batch, context, ours.config.vocab_size, seed=batch * 7 + context)
-                r_ours, p_ours = _rates(lambda p, n: _ours(ours, p, n), prompts, new_tokens, repeats)
-                r_hf, p_hf = _rates(lambda p, n: _hf(hf, p, n), prompts, new_tokens, repeats)
+                runs = [lambda p, n: _ours(ours, p, n), lambda p, n: _hf(hf, p, n)]
+                (r_ours, p_ours), (r_hf, p_hf) = _rates(runs, prompts, new_tokens, repeats)
                 row = {
                     "batch": batch,
                     "context": context,

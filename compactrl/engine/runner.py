@@ -149,7 +149,8 @@ def forward_step(
                 kd, vd = K.index_select(0, d_rows)[:, :, :length], V.index_select(0, d_rows)[:, :, :length]
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d_mask)
             else:
-                od = torch.cat([_attend_rows(qd, K, V, d_mask, *run) for run in runs])
+                parts = [_attend_rows(qd, K, V, d_mask, *run) for run in runs]
+                od = parts[0] if len(parts) == 1 else torch.cat(parts)
             out[:B] = od.reshape(B, *q.shape[1:])
         for group in fresh:  # first chunks of equal length: one causal SDPA for the group
             o = [offsets[id(f)] for f in group]

@@ -79,12 +79,13 @@ def write_tiny_model(
     size: str = "tiny",
     seed: int = 0,
     vocab_size: int = 2048,
+    chat_format: str = "chatml",
     **overrides,
 ) -> Path:
     """Write tokenizer + config.json + model.safetensors + generation_config.json into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tiny_tokenizer(out_dir, vocab_size=vocab_size)
+    tok = train_tiny_tokenizer(out_dir, vocab_size=vocab_size, chat_format=chat_format)
     eos = tok.eos_token_ids
     cfg = tiny_config(family, tok.vocab_size, size, eos_token_id=eos, **overrides)
     save_model(init_random(cfg, seed), out_dir)

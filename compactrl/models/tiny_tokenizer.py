@@ -23,6 +23,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MODEL_MAX_LENGTH = 32768
+LLAMA3_SPECIAL_TOKENS = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+)
 
 # ChatML as in Qwen2.5, without tools and without an implicit default system prompt.
 CHAT_TEMPLATE = (
@@ -33,6 +36,19 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n"
 )
+
+# Llama 3's format (as in Llama 3.1 without tools or a date header): bos, then header/content/eot.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+CHAT_FORMATS = ("chatml", "llama3")
 
 # Qwen2's split pattern: digits one at a time, which helps tiny models with arithmetic.
 _SPLIT_PATTERN = (
@@ -119,7 +135,7 @@ def corpus() -> list[str]:
     return [t for t in (*_docstrings(), *_synthetic_lines()) if t.strip()]
 
 
-def _build_backend(vocab_size: int) -> _Backend:
+def _build_backend(vocab_size: int, specials: tuple[str, ...]) -> _Backend:
     tok = _Backend(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -132,7 +148,7 @@ def _build_backend(vocab_size: int) -> _Backend:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -144,28 +160,38 @@ def _write(path: Path, text: str) -> None:
     path.write_bytes(text.encode("utf-8"))  # bytes, so no platform newline translation
 
 
-def train_tiny_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 2048) -> Tokenizer:
-    """Train and save a Hugging Face-format tokenizer folder; vocab_size is an upper bound incl. specials."""
-    minimum = 256 + len(SPECIAL_TOKENS)
+def train_tiny_tokenizer(
+    out_dir: str | os.PathLike[str], vocab_size: int = 2048, chat_format: str = "chatml"
+) -> Tokenizer:
+    """Train and save a Hugging Face-format tokenizer folder; vocab_size is an upper bound incl. specials.
+
+    ``chat_format`` picks the special tokens and chat template: ``chatml`` (Qwen) or ``llama3``.
+    """
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_format must be one of {CHAT_FORMATS}, got {chat_format!r}")
+    llama3 = chat_format == "llama3"
+    specials = LLAMA3_SPECIAL_TOKENS if llama3 else SPECIAL_TOKENS
+    minimum = 256 + len(specials)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + specials), got {vocab_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    backend = _build_backend(vocab_size)
+    backend = _build_backend(vocab_size, specials)
     _write(out / "tokenizer.json", backend.to_str(pretty=True))
+    template = LLAMA3_CHAT_TEMPLATE if llama3 else CHAT_TEMPLATE
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "bos_token": "<|begin_of_text|>" if llama3 else None,
+        "eos_token": "<|eot_id|>" if llama3 else EOS_TOKEN,
+        "pad_token": "<|end_of_text|>" if llama3 else PAD_TOKEN,
         "unk_token": None,
         "model_max_length": MODEL_MAX_LENGTH,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
-        # Qwen's layout; transformers 5 still reads this name (and saves it as extra_special_tokens).
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "chat_template": CHAT_TEMPLATE,
+        # transformers 5 still reads this name (and saves it as extra_special_tokens).
+        "additional_special_tokens": list(specials[2:] if llama3 else specials[1:]),
+        "chat_template": template,
     }
     _write(out / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    _write(out / "chat_template.jinja", CHAT_TEMPLATE)
+    _write(out / "chat_template.jinja", template)
     return Tokenizer.from_dir(out)

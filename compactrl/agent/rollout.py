@@ -1,0 +1,286 @@
+"""One agent episode through the engine, with compaction, in one of three modes.
+
+* ``full``: no compaction; the context only grows.
+* ``stream`` (KV-streams): compaction evicts the deleted steps' KV in place; one continuous
+  stream and one trace per episode; nothing is computed twice.
+* ``reprefill`` (what frameworks do today): the kept context is rendered into a fresh session
+  and prefilled again; one trace per segment, sharing the episode's ``rollout_id``.
+
+The loop: the agent acts (assistant header, generation, message close), the environment
+answers, and at that boundary, before the answer is fed, the strategy may compact. Every token
+is tokenised once (:mod:`compactrl.agent.chat`); re-prefill re-sends the same ids.
+
+Re-prefill accounting is exact. Each token gets an origin id when it is first rendered;
+``reprefilled_tokens`` counts tokens the engine fed whose origin it had already fed (plus any
+recompute after preemption), and ``predicted_reprefilled_tokens`` adds up, over the realised
+compactions, the kept tokens (the cost model's r = overlap + summary, per compaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.compaction import Context, Decision, StepView, Strategy
+from compactrl.engine import Engine, SamplingParams, SessionError
+from compactrl.envs.base import Env, EnvError, guarded
+from compactrl.trace import Trace
+
+MODES = ("full", "reprefill", "stream")
+HEAD = -1  # owner of the protected system/task head
+AUX = -2  # owner of a compaction request and its answer (deleted unless kept)
+
+
+class RolloutSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(64, ge=1, description="tokens per action unless the env asks for a number")
+    max_turns: int = Field(64, ge=1, description="actions per episode before it is truncated")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    system: str | None = Field(None, description="system prompt (default: none)")
+    env_timeout_s: float = Field(60.0, gt=0, description="an env call that takes longer ends its episode")
+
+
+@dataclass
+class _Piece:
+    """A run of tokens of one owner (a step, the head, a request) in the current session."""
+
+    owner: int
+    tokens: list[int]
+    origins: range
+    start: int  # index in the current session's stream
+
+
+@dataclass
+class EpisodeResult:
+    episode: int
+    seed: int
+    env: str
+    mode: str
+    strategy: str
+    reward: float = 0.0
+    turns: int = 0
+    tokens: int = 0  # distinct tokens of the episode (what one stream would hold)
+    generated_tokens: int = 0
+    compactions: int = 0
+    segments: int = 1
+    prefilled_tokens: int = 0  # engine-fed prompt tokens, re-prefill included
+    reprefilled_tokens: int = 0
+    predicted_reprefilled_tokens: int = 0
+    peak_live_kv: int = 0
+    kv_reads: int = 0
+    evicted_tokens: int = 0
+    pick_fallbacks: int = 0
+    truncated: bool = False
+    error: str | None = None
+    wall_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    traces: list[Trace] = field(default_factory=list, repr=False)
+
+    def metrics(self) -> dict[str, Any]:
+        """Everything but the traces (one JSON line per episode)."""
+        return {k: v for k, v in self.__dict__.items() if k != "traces"}
+
+
+class Episode:
+    def __init__(
+        self,
+        engine: Engine,
+        fmt: ChatFormat,
+        env: Env,
+        strategy: Strategy | None,
+        mode: str,
+        settings: RolloutSettings,
+        seed: int,
+        episode: int = 0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
+        self.engine, self.fmt, self.env, self.settings = engine, fmt, env, settings
+        self.strategy = None if mode == "full" else strategy
+        self.mode, self.seed = mode, seed
+        name = strategy.name if strategy and mode != "full" else "none"
+        self.result = EpisodeResult(episode, seed, env.name, mode, name)
+        self.rollout_id = f"{env.name}-{seed}-{mode}-{name}"
+        self.pieces: list[_Piece] = []
+        self.kinds: dict[int, str] = {}  # live step id -> "step" | "summary"
+        self.sessions = []
+        self.session = None
+        self.origin_log: list[list[int]] = []  # origin id of each token, per session
+        self.origin = 0  # next origin id
+        self.next_id = 0
+        self.messages = 0  # seeds each generation: same seeds in every mode
+
+    # ---- stream building ------------------------------------------------------------------------
+    def _new_session(self) -> None:
+        if self.session is not None:  # a re-prefill segment ends: its KV is dropped now
+            self.session.close()
+            self.sessions.append(self.session)
+        self.session = self.engine.session(self.rollout_id)
+        self.origin_log.append([])
+
+    def _add(self, owner: int, tokens: list[int], role: str, origins: range | None = None) -> None:
+        """Append tokens to the current session (new ones get fresh origin ids)."""
+        if origins is None:
+            origins = range(self.origin, self.origin + len(tokens))
+            self.origin += len(tokens)
+        start = len(self.session.tokens)
+        self.session.append(tokens, role=role)
+        self.pieces.append(_Piece(owner, list(tokens), origins, start))
+        self.origin_log[-1].extend(origins)
+
+    async def _generate(self, owner: int, role: str, max_tokens: int) -> list[int]:
+        """Header, generation, close; returns the generated ids."""
+        s = self.settings
+        self._add(owner, self.fmt.header("assistant"), role)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            stop_token_ids=list(self.fmt.stop_ids), seed=self.seed * 100_003 + self.messages,
+        )  # fmt: skip
+        self.messages += 1
+        start = len(self.session.tokens)
+        gen = await self.session.agenerate(params, role=role)
+        toks = list(gen.tokens)
+        origins = range(self.origin, self.origin + len(toks))
+        self.pieces.append(_Piece(owner, toks, origins, start))
+        self.origin_log[-1].extend(origins)
+        self.origin += len(toks)
+        close = self.fmt.close(toks)
+        self._add(owner, close, role)
+        self.result.generated_tokens += len(toks)
+        return toks
+
+    def _step_view(self, sid: int) -> StepView:
+        ps = [p for p in self.pieces if p.owner == sid]
+        text = self.fmt.tokenizer.decode([t for p in ps for t in p.tokens], skip_special_tokens=True)
+        return StepView(sid, sum(len(p.tokens) for p in ps), text, self.kinds[sid])
+
+    def _context(self, step: int, since: int, action: str, incoming: int) -> Context:
+        head = sum(len(p.tokens) for p in self.pieces if p.owner == HEAD)
+        views = [self._step_view(sid) for sid in self.kinds]
+        return Context(views, head, incoming, step, since, action)
+
+    # ---- compaction -----------------------------------------------------------------------------
+    async def _compact(self, ctx: Context) -> None:
+        plan = self.strategy.plan
+        req = plan.request(ctx)
+        answer_ids: list[int] = []
+        if req is not None:
+            self._add(AUX, self.fmt.message("user", req.prompt), "user")
+            answer_ids = await self._generate(AUX, req.role, req.max_tokens)
+        answer = self.fmt.text(answer_ids) if req is not None else None
+        decision: Decision = plan.decide(ctx, answer)
+        self.result.pick_fallbacks += int(decision.fallback)
+        gone = set(decision.delete) & set(self.kinds)
+        if decision.keep_answer:  # the answer (a summary) becomes a step of its own, with the resume
+            sid = self._new_step("summary")
+            for p in [p for p in self.pieces if p.owner == AUX][-3:]:  # header, generated, close
+                p.owner = sid
+            if decision.resume:
+                self._add(sid, self.fmt.message("user", decision.resume), "user")
+        gone |= {AUX}
+        for sid in gone:
+            self.kinds.pop(sid, None)
+        dropped = [p for p in self.pieces if p.owner in gone]
+        self.pieces = [p for p in self.pieces if p.owner not in gone]
+        self.result.compactions += 1
+        if self.mode == "stream":
+            spans = [(p.start, p.start + len(p.tokens)) for p in dropped if p.tokens]
+            if spans:
+                self.session.evict(spans)
+        else:
+            while self.session.unfed:  # the engine feeds the last tokens eagerly; let it finish, so
+                await asyncio.sleep(0)  # every kept token was computed once (the cost model's r)
+            self.result.predicted_reprefilled_tokens += sum(len(p.tokens) for p in self.pieces)
+            self._new_session()
+            old, self.pieces = self.pieces, []
+            for p in old:
+                self._add(p.owner, p.tokens, self._role(p), p.origins)
+            self.result.segments += 1
+
+    def _role(self, p: _Piece) -> str:
+        return self.sessions[-1].role[p.start] if p.tokens else "user"
+
+    def _new_step(self, kind: str) -> int:
+        sid = self.next_id
+        self.next_id += 1
+        self.kinds[sid] = kind
+        return sid
+
+    # ---- the episode ----------------------------------------------------------------------------
+    async def run(self) -> EpisodeResult:
+        t0 = time.perf_counter()
+        r, s, fmt = self.result, self.settings, self.fmt
+        try:
+            self._new_session()
+            reset = await guarded(self.env, "reset", self.seed, s.env_timeout_s)
+            system = reset.system if reset.system is not None else s.system
+            if fmt.begin:
+                self._add(HEAD, list(fmt.begin), "system")
+            if system is not None:
+                self._add(HEAD, fmt.message("system", system), "system")
+            self._add(HEAD, fmt.message("user", reset.task), "user")
+            if reset.observation:
+                self._add(self._new_step("step"), fmt.message("user", reset.observation), "user")
+            hint, since = reset.max_tokens, 0
+            while True:
+                sid = self._new_step("step")
+                action_ids = await self._generate(sid, "assistant", hint or s.max_tokens)
+                r.turns += 1
+                since += 1
+                action = fmt.text(action_ids)
+                out = await guarded(self.env, "step", action, s.env_timeout_s)
+                r.reward += out.reward
+                r.info = out.info
+                if out.done:
+                    break
+                if r.turns >= s.max_turns:
+                    r.truncated = True
+                    break
+                obs = fmt.message("user", out.observation)
+                ctx = self._context(r.turns, since, action, len(obs))
+                if self.strategy is not None and self.strategy.trigger(ctx):
+                    await self._compact(ctx)
+                    since = 0
+                self._add(sid, obs, "user")
+                hint = out.max_tokens
+        except (EnvError, SessionError) as e:
+            r.error = f"{type(e).__name__}: {e}"
+        finally:
+            if self.session is not None:
+                self.sessions.append(self.session)
+                self.session = None
+            for sess in self.sessions:
+                if not sess.generating:
+                    sess.close()
+        self._account()
+        r.wall_s = time.perf_counter() - t0
+        return r
+
+    def _account(self) -> None:
+        """Metrics from what the engine did, and the traces."""
+        r = self.result
+        r.tokens = self.origin
+        seen: set[int] = set()
+        for i, sess in enumerate(self.sessions):
+            m = sess.metrics
+            fed = self.origin_log[i][: sess.fed]
+            r.reprefilled_tokens += sum(o in seen for o in fed) + m.reprefilled_tokens
+            seen.update(fed)
+            r.prefilled_tokens += m.prefill_tokens
+            r.peak_live_kv = max(r.peak_live_kv, m.peak_live_kv)
+            r.kv_reads += m.kv_reads
+            r.evicted_tokens += m.evicted_tokens
+            t = sess.trace()
+            if self.mode == "reprefill":
+                t.segment[:] = i
+            t.meta = {"env": r.env, "seed": r.seed, "mode": r.mode, "strategy": r.strategy,
+                      "episode": r.episode, "segment": i, "reward": r.reward}  # fmt: skip
+            r.traces.append(t)

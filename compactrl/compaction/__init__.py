@@ -1,0 +1,117 @@
+"""Compaction strategies and their typed configs (``[strategy]`` in a run's TOML)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compactrl.compaction.base import (
+    AtStep,
+    Context,
+    Decision,
+    EverySteps,
+    LiveSteps,
+    ModelRequest,
+    Request,
+    StepView,
+    Strategy,
+    TokenBudget,
+    Trigger,
+)
+from compactrl.compaction.pick import Pick
+from compactrl.compaction.summary import Summarize
+from compactrl.compaction.window import DropOldest, DropSteps
+
+__all__ = [
+    "Context", "Decision", "Request", "StepView", "Strategy", "StrategyConfig", "build_strategy",
+]  # fmt: skip
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoCompaction(_Config):
+    name: Literal["none"] = "none"
+
+
+class SlidingWindow(_Config):
+    """When ``max_turns`` steps are live, delete the oldest ``stride`` (stride = max_turns // 2 is
+    the Markovian thinker)."""
+
+    name: Literal["sliding_window"] = "sliding_window"
+    max_turns: int = Field(10, ge=1)
+    stride: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _stride(self):
+        if self.stride > self.max_turns:
+            raise ValueError(f"stride {self.stride} > max_turns {self.max_turns}; use 1..max_turns")
+        return self
+
+
+class Markovian(_Config):
+    name: Literal["markovian"] = "markovian"
+    max_turns: int = Field(10, ge=2)
+
+
+class _Triggered(_Config):
+    trigger: Literal["budget", "every", "request"] = "budget"
+    budget: int = Field(2048, gt=0, description="token budget of the live context (trigger 'budget')")
+    every: int = Field(10, ge=1, description="steps between compactions (trigger 'every')")
+    marker: str = Field("[compact]", min_length=1, description="text that asks for it (trigger 'request')")
+
+    def make_trigger(self) -> Trigger:
+        if self.trigger == "every":
+            return EverySteps(self.every)
+        if self.trigger == "request":
+            return ModelRequest(self.marker)
+        return TokenBudget(self.budget)
+
+
+class Summary(_Triggered):
+    name: Literal["summary"] = "summary"
+    tail: int = Field(2, ge=0, description="recent steps kept verbatim")
+    max_tokens: int = Field(256, ge=1, description="summary length limit")
+
+
+class PickTurns(_Triggered):
+    name: Literal["pick"] = "pick"
+    keep_budget: int | None = Field(
+        None, gt=0, description="tokens the kept steps may use (default budget/2)"
+    )
+    max_tokens: int = Field(32, ge=1)
+
+
+class EvictSteps(_Config):
+    """Delete given steps once step ``at_step`` has acted (the recall task's eviction)."""
+
+    name: Literal["evict_steps"] = "evict_steps"
+    at_step: int = Field(1, ge=0)
+    steps: list[int] = [0]
+
+
+StrategyConfig = Annotated[
+    NoCompaction | SlidingWindow | Markovian | Summary | PickTurns | EvictSteps, Field(discriminator="name")
+]
+
+
+def build_strategy(cfg) -> Strategy | None:
+    """The strategy object for a config; None for ``none``."""
+    params = cfg.model_dump()
+    if isinstance(cfg, NoCompaction):
+        return None
+    if isinstance(cfg, SlidingWindow):
+        return Strategy(cfg.name, LiveSteps(cfg.max_turns), DropOldest(cfg.stride), params)
+    if isinstance(cfg, Markovian):
+        return Strategy(cfg.name, LiveSteps(cfg.max_turns), DropOldest(cfg.max_turns // 2), params)
+    if isinstance(cfg, Summary):
+        return Strategy(cfg.name, cfg.make_trigger(), Summarize(cfg.tail, cfg.max_tokens), params)
+    if isinstance(cfg, PickTurns):
+        return Strategy(
+            cfg.name, cfg.make_trigger(), Pick(cfg.keep_budget or cfg.budget // 2, cfg.max_tokens), params
+        )
+    if isinstance(cfg, EvictSteps):
+        return Strategy(cfg.name, AtStep(cfg.at_step), DropSteps(tuple(cfg.steps)), params)
+    raise TypeError(f"unknown strategy config {cfg!r}")

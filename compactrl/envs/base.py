@@ -1,0 +1,76 @@
+"""The environment protocol: text in, text out, rewards; and a guard that keeps one bad episode
+from taking the batch down.
+
+An environment is any object with ``reset(seed) -> Reset`` and ``step(action) -> Step``. The
+rollout runner calls both through :func:`guarded`, in a worker thread with a time limit, so an
+exception or a hang ends that episode with a recorded error while the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Reset:
+    """The start of an episode. ``task`` is the first user message and is never compacted away;
+    ``observation``, if any, is its own message and may be (the recall task evicts it)."""
+
+    task: str
+    observation: str = ""
+    system: str | None = None
+    max_tokens: int | None = None  # a hint for the first generation (capped by the run's setting)
+
+
+@dataclass
+class Step:
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # a hint for the next generation
+
+
+class Env(Protocol):
+    name: str
+
+    def reset(self, seed: int) -> Reset: ...
+
+    def step(self, action: str) -> Step: ...
+
+    def close(self) -> None: ...
+
+
+class EnvError(RuntimeError):
+    """An environment raised, hung or returned something malformed; the message says which."""
+
+
+def _check(result: Any, kind: type, what: str) -> Any:
+    if not isinstance(result, kind):
+        raise EnvError(f"{what} returned {type(result).__name__}, expected {kind.__name__}")
+    text = result.task if isinstance(result, Reset) else result.observation
+    if not isinstance(text, str):
+        raise EnvError(f"{what} returned a {type(text).__name__} observation, expected str")
+    if isinstance(result, Step) and not (
+        isinstance(result.reward, (int, float)) and math.isfinite(result.reward)
+    ):
+        raise EnvError(f"{what} returned reward {result.reward!r}, expected a finite number")
+    return result
+
+
+async def guarded(env: Env, method: str, arg: Any, timeout_s: float) -> Reset | Step:
+    """Call ``env.reset(arg)`` or ``env.step(arg)`` in a thread; raise EnvError on anything wrong.
+
+    A call that hangs is abandoned after ``timeout_s`` (its thread cannot be killed, so the env
+    object is not used again by that episode)."""
+    fn = getattr(env, method)
+    try:
+        result = await asyncio.wait_for(asyncio.to_thread(fn, arg), timeout_s)
+    except TimeoutError as e:
+        raise EnvError(f"{env.name}.{method} did not return within {timeout_s:g} s") from e
+    except Exception as e:  # noqa: BLE001 - any env failure ends only its own episode
+        raise EnvError(f"{env.name}.{method} raised {type(e).__name__}: {e}") from e
+    return _check(result, Reset if method == "reset" else Step, f"{env.name}.{method}")

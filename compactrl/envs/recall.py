@@ -1,0 +1,76 @@
+"""The controlled recall task of the KV-streams paper (appendix D).
+
+The model is assigned one of five candidates, decodes ``k`` tokens of ascending integers, the
+assignment message is then evicted (the ``evict_steps`` strategy the task comes with), and it must
+answer ``Recall: <candidate>``. Only the KV of tokens fed while the assignment was visible can
+carry it across the eviction. Reward 1 for an exact match after the eviction, with no candidate
+leaked into the decoded integers (a leak would let the model copy the answer).
+
+Variants (our reading of the paper's names): ``fruit`` (the question lists the five fruits),
+``actor`` (five actor names, listed) and ``tv-zero-support`` (five TV shows, and the question
+names none of them, so the answer has zero support in the visible context after the eviction).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from compactrl.envs.base import Reset, Step
+
+CANDIDATES = {
+    "fruit": ("fruit", ["apple", "banana", "cherry", "grape", "mango"]),
+    "actor": (
+        "actor",
+        ["Tom Hanks", "Meryl Streep", "Denzel Washington", "Cate Blanchett", "Morgan Freeman"],
+    ),
+    "tv-zero-support": ("TV show", ["Seinfeld", "Friends", "Lost", "Frasier", "Dexter"]),
+}
+VARIANTS = tuple(CANDIDATES)
+_ANSWER = re.compile(r"^\s*Recall:\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
+
+
+class RecallEnv:
+    name = "recall"
+
+    def __init__(self, k: int = 64, variant: str = "fruit", answer_tokens: int = 16):
+        if variant not in CANDIDATES:
+            raise ValueError(f"recall variant {variant!r} unknown; choose one of {list(VARIANTS)}")
+        if not 16 <= k <= 512:
+            raise ValueError(f"recall k must be in [16, 512] decoded tokens, got {k}")
+        self.k, self.variant, self.answer_tokens = k, variant, answer_tokens
+        self.kind, self.candidates = CANDIDATES[variant]
+        self.answer: str | None = None
+
+    def reset(self, seed: int) -> Reset:
+        rng = random.Random(seed)
+        self.answer = rng.choice(self.candidates)
+        self.start = rng.randint(1, 100)
+        self.leaked = False
+        self.phase = 0
+        task = (
+            f"You will be assigned a {self.kind}. Then count upward, numbers separated by spaces. "
+            f"Afterwards you will be asked for your {self.kind}; reply exactly 'Recall: <{self.kind}>'."
+        )
+        obs = f"Your {self.kind} is {self.answer}. Count upward from {self.start}."
+        return Reset(task=task, observation=obs, max_tokens=self.k)
+
+    def step(self, action: str) -> Step:
+        if self.answer is None:
+            raise RuntimeError("call reset() before step()")
+        self.phase += 1
+        if self.phase == 1:  # the counting; the assignment is evicted before the question is fed
+            self.leaked = any(c.lower() in action.lower() for c in self.candidates)
+            if self.variant == "tv-zero-support":
+                question = f"Which {self.kind} were you assigned?"
+            else:
+                question = f"Which {self.kind} were you assigned: {', '.join(self.candidates)}?"
+            return Step(question, max_tokens=self.answer_tokens, info={"leaked": self.leaked})
+        m = _ANSWER.match(action)
+        said = m.group(1) if m else None
+        correct = said is not None and said.lower() == self.answer.lower() and not self.leaked
+        info = {"answer": self.answer, "said": said, "leaked": self.leaked, "correct": correct}
+        return Step("", reward=float(correct), done=True, info=info)
+
+    def close(self) -> None:
+        pass

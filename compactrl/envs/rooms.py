@@ -1,0 +1,72 @@
+"""A synthetic long-horizon task whose early observations are needed many turns later.
+
+The agent walks through ``n_rooms`` rooms, one per turn; each room shows a code word among
+``filler`` words of description. At the last door it is asked for the code word of room
+``query_room`` (an early one by default) and must answer ``Code: <word>``. The episode length is
+fixed whatever the agent says, so every mode and strategy runs the same number of turns: a
+sliding window shorter than the distance to the queried room deletes the answer, and only what
+later tokens absorbed into their KV while it was visible can bring it back.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from compactrl.envs.base import Reset, Step
+
+WORDS = (
+    "amber basil cedar delta ember fable garnet harbor indigo jasper kettle lumen maple nectar onyx "
+    "pepper quartz raven saffron tundra umber velvet willow xenon yarrow zephyr"
+).split()
+FILLER = (
+    "a dusty shelf, an old lamp, a cracked window, a wooden chair, a faded rug, a tall clock, "
+    "a narrow door, a cold hearth, a brass key hook, a pile of letters, a quiet draft, a low beam"
+).split(", ")
+_ANSWER = re.compile(r"Code:\s*([A-Za-z]+)", re.IGNORECASE)
+
+
+class RoomsEnv:
+    name = "rooms"
+
+    def __init__(self, n_rooms: int = 20, query_room: int = 1, filler: int = 8, action_tokens: int = 8):
+        if n_rooms < 1 or not 1 <= query_room <= n_rooms:
+            raise ValueError(f"need n_rooms >= 1 and 1 <= query_room <= n_rooms, got {n_rooms}, {query_room}")
+        self.n_rooms, self.query_room, self.filler, self.action_tokens = (
+            n_rooms,
+            query_room,
+            filler,
+            action_tokens,
+        )
+        self.codes: list[str] = []
+
+    def _room(self, i: int) -> str:
+        things = ", ".join(self.rng.choice(FILLER) for _ in range(self.filler))
+        return f"Room {i}: you see {things}. The code word here is {self.codes[i - 1]}. Say 'next' to go on."
+
+    def reset(self, seed: int) -> Reset:
+        self.rng = random.Random(seed)
+        self.codes = [self.rng.choice(WORDS) for _ in range(self.n_rooms)]
+        self.room = 1
+        task = (
+            f"You walk through {self.n_rooms} rooms, one per turn. Remember the code words. At the last "
+            "door you will be asked for one of them; answer 'Code: <word>'."
+        )
+        return Reset(task=task, observation=self._room(1), max_tokens=self.action_tokens)
+
+    def step(self, action: str) -> Step:
+        if not self.codes:
+            raise RuntimeError("call reset() before step()")
+        self.room += 1
+        if self.room <= self.n_rooms:
+            return Step(self._room(self.room), max_tokens=self.action_tokens)
+        if self.room == self.n_rooms + 1:
+            return Step(f"The last door asks: what was the code word in room {self.query_room}?",
+                        max_tokens=self.action_tokens)  # fmt: skip
+        m = _ANSWER.search(action)
+        answer = self.codes[self.query_room - 1]
+        correct = bool(m) and m.group(1).lower() == answer
+        return Step("", reward=float(correct), done=True, info={"answer": answer, "correct": correct})
+
+    def close(self) -> None:
+        pass
