@@ -62,6 +62,44 @@ def emit_json(data: dict, path: Path | None = None) -> None:
     print(text)
 
 
+SetOption = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config field: section.field=value (repeatable).")
+]
+
+
+def load_run_config(model, path: Path | None, overrides: list[str] | None):
+    from compactrl.config import ConfigError, load_config
+
+    try:
+        return load_config(model, path, overrides or [])
+    except ConfigError as e:
+        fail(str(e))
+
+
+@app.command("rollout")
+def rollout_cmd(
+    config: Annotated[Path | None, typer.Argument(help="TOML config (default: the built-in defaults).")] = None,
+    overrides: SetOption = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Run episodes through the engine with a compaction strategy; write traces and metrics."""
+    from compactrl.agent.batch import RolloutConfig, rollout
+
+    cfg = load_run_config(RolloutConfig, config, overrides)
+    with progress_bar("episodes") as progress:
+        summary = rollout(cfg, progress)
+    if as_json:
+        emit_json(summary)
+        return
+    table = Table(box=box.SIMPLE, title=f"{summary['env']} / {summary['strategy']} / {summary['mode']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in summary.items():
+        if k not in ("env", "strategy", "mode"):
+            table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
+    out.print(table)
+
+
 @app.command("init-model")
 def init_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],

@@ -77,6 +77,7 @@ class EpisodeResult:
     peak_live_kv: int = 0
     kv_reads: int = 0
     evicted_tokens: int = 0
+    preemptions: int = 0
     pick_fallbacks: int = 0
     truncated: bool = False
     error: str | None = None
@@ -278,6 +279,7 @@ class Episode:
             r.peak_live_kv = max(r.peak_live_kv, m.peak_live_kv)
             r.kv_reads += m.kv_reads
             r.evicted_tokens += m.evicted_tokens
+            r.preemptions += m.preemptions
             t = sess.trace()
             if self.mode == "reprefill":
                 t.segment[:] = i

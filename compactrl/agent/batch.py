@@ -1,0 +1,174 @@
+"""Many episodes at once through one engine (``compactrl rollout CONFIG``).
+
+Episodes are asyncio tasks that share one engine, whose ``serve`` loop batches their prefill and
+decode steps; environment calls run in worker threads. Up to ``concurrency`` episodes are in
+flight; the KV pool bounds memory, and the engine preempts and resumes sessions rather than
+dropping them. A run directory gets the resolved config, one JSON line of metrics per episode,
+the traces (JSONL) and a summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.agent.rollout import Episode, EpisodeResult, RolloutSettings
+from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
+from compactrl.engine import Engine, EngineConfig
+from compactrl.envs import EnvConfig, RoomsConfig, make_env
+from compactrl.models.loading import DTYPES
+from compactrl.trace import save_traces
+
+
+class ModelSource(BaseModel):
+    """A Hugging Face folder, or (``path`` unset) a tiny random model generated into the run dir."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = None
+    family: Literal["llama", "qwen2", "qwen3"] = "qwen3"
+    size: Literal["tiny", "small", "base"] = "tiny"
+    seed: int = 0
+    dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelSource = ModelSource()
+    engine: EngineConfig = EngineConfig()
+    env: EnvConfig = RoomsConfig()
+    strategy: StrategyConfig = SlidingWindow()
+    mode: Literal["full", "reprefill", "stream"] = "stream"
+    rollout: RolloutSettings = RolloutSettings()
+    episodes: int = Field(8, ge=1)
+    concurrency: int = Field(8, ge=1, description="episodes in flight at once")
+    seed: int = Field(0, description="episode i uses seed + i")
+    threads: int = Field(1, ge=1, description="torch intra-op threads")
+    out: str = Field("runs/rollout", description="run directory")
+
+    @model_validator(mode="after")
+    def _recall_needs_its_eviction(self):
+        if self.env.name == "recall" and self.mode != "full" and self.strategy.name != "evict_steps":
+            raise ValueError("the recall env evicts its assignment with strategy.name = 'evict_steps'")
+        return self
+
+
+def load_engine(src: ModelSource, engine: EngineConfig, run_dir: Path) -> Engine:
+    """The engine for a run; a generated model is written once into ``run_dir/model`` and reused."""
+    from compactrl.models.tiny import write_tiny_model
+
+    folder = Path(src.path) if src.path else run_dir / "model"
+    if src.path is None and not (folder / "config.json").exists():
+        write_tiny_model(folder, family=src.family, size=src.size, seed=src.seed)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"model.path {folder} has no config.json; point it at a Hugging Face folder")
+    return Engine.from_pretrained(folder, dtype=src.dtype, config=engine)
+
+
+async def run_episodes(
+    engine: Engine,
+    fmt: ChatFormat,
+    make: Callable[[], object],
+    strategy,
+    mode: str,
+    settings: RolloutSettings,
+    seeds: list[int],
+    concurrency: int,
+    advance: Callable[[], None] = lambda: None,
+) -> list[EpisodeResult]:
+    """Run one episode per seed, ``concurrency`` at a time; results in seed order."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, seed: int) -> EpisodeResult:
+        async with gate:
+            env = make()
+            try:
+                return await Episode(engine, fmt, env, strategy, mode, settings, seed, i).run()
+            finally:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - a failing close must not lose the episode
+                    pass
+                advance()
+
+    serve = asyncio.create_task(engine.serve())
+    work = asyncio.gather(*(one(i, s) for i, s in enumerate(seeds)))
+    try:
+        await asyncio.wait({serve, work}, return_when=asyncio.FIRST_COMPLETED)
+        if serve.done():  # the engine failed: stop the episodes and raise its error
+            work.cancel()
+            serve.result()
+        return work.result()
+    finally:
+        serve.cancel()
+
+
+def summarize(results: list[EpisodeResult]) -> dict:
+    def mean(key):
+        return float(np.mean([getattr(r, key) for r in results])) if results else 0.0
+
+    total = {k: int(sum(getattr(r, k) for r in results)) for k in (
+        "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
+        "predicted_reprefilled_tokens", "kv_reads", "pick_fallbacks", "preemptions")}  # fmt: skip
+    return {
+        "episodes": len(results),
+        "errors": sum(r.error is not None for r in results),
+        "truncated": sum(r.truncated for r in results),
+        "mean_reward": mean("reward"),
+        "mean_turns": mean("turns"),
+        "peak_live_kv": max((r.peak_live_kv for r in results), default=0),
+        **total,
+    }
+
+
+def rollout(cfg: RolloutConfig, progress=None) -> dict:
+    """Run the config's episodes and write the run directory; returns the summary."""
+    torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+    engine = load_engine(cfg.model, cfg.engine, run_dir)
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    strategy = build_strategy(cfg.strategy)
+    seeds = [cfg.seed + i for i in range(cfg.episodes)]
+    advance = progress(len(seeds)) if progress else (lambda: None)
+    t0 = time.perf_counter()
+    results = asyncio.run(
+        run_episodes(
+            engine,
+            fmt,
+            lambda: make_env(cfg.env),
+            strategy,
+            cfg.mode,
+            cfg.rollout,
+            seeds,
+            cfg.concurrency,
+            advance,
+        )  # fmt: skip
+    )
+    wall = time.perf_counter() - t0
+    with open(run_dir / "episodes.jsonl", "w") as f:
+        for r in results:
+            f.write(json.dumps(r.metrics()) + "\n")
+    save_traces(run_dir / "traces.jsonl", [t for r in results for t in r.traces])
+    summary = summarize(results) | {
+        "mode": cfg.mode,
+        "strategy": cfg.strategy.name,
+        "env": cfg.env.name,
+        "wall_s": wall,
+        "episodes_per_s": len(results) / wall,
+        "generated_tokens_per_s": sum(r.generated_tokens for r in results) / wall,
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,75 @@
+"""Typed run configs: TOML files plus ``--set a.b=c`` overrides, validated before any work starts.
+
+Errors name the field and what it accepts; unknown fields are refused (a typo never silently
+falls back to a default)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal (``3``, ``true``, ``"x"``, ``[1, 2]``), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} must look like section.field=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {p!r} is a value, not a section")
+        node[leaf] = _parse_value(value.strip())
+    return data
+
+
+def _default_names(model: type[pydantic.BaseModel], data: dict) -> dict:
+    """A section that picks a variant by ``name`` (env, strategy) and was given fields without a
+    name keeps the default variant, so ``--set env.n_rooms=6`` works on the defaults."""
+    for key, field in model.model_fields.items():
+        default = field.default
+        if isinstance(data.get(key), dict) and isinstance(default, pydantic.BaseModel):
+            if "name" in type(default).model_fields and "name" not in data[key]:
+                data[key] = {"name": default.name, **data[key]}
+            _default_names(type(default), data[key])
+    return data
+
+
+def load_config(model: type[M], path: str | Path | None, overrides: list[str] = ()) -> M:
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from e
+    data = _default_names(model, apply_overrides(data, list(overrides)))
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err else ""))
+        src = f"{path}" if path else "the config"
+        raise ConfigError(f"{src} is invalid:\n" + "\n".join(lines)) from e

@@ -1,0 +1,49 @@
+"""Built-in environments and their typed configs (``[env]`` in a run's TOML)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from compactrl.envs.base import Env, EnvError, Reset, Step, guarded
+from compactrl.envs.recall import VARIANTS, RecallEnv
+from compactrl.envs.rooms import RoomsEnv
+from compactrl.envs.textworld_env import CHALLENGES, TextWorldEnv
+
+__all__ = ["Env", "EnvConfig", "EnvError", "Reset", "Step", "guarded", "make_env"]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RecallConfig(_Config):
+    name: Literal["recall"] = "recall"
+    k: int = Field(64, ge=16, le=512, description="integer tokens decoded between assignment and question")
+    variant: Literal[VARIANTS] = "fruit"  # type: ignore[valid-type]
+    answer_tokens: int = Field(16, ge=1)
+
+
+class RoomsConfig(_Config):
+    name: Literal["rooms"] = "rooms"
+    n_rooms: int = Field(20, ge=1)
+    query_room: int = Field(1, ge=1)
+    filler: int = Field(8, ge=0, description="description items per room (observation length)")
+    action_tokens: int = Field(8, ge=1)
+
+
+class TextWorldConfig(_Config):
+    name: Literal["textworld"] = "textworld"
+    challenge: Literal[CHALLENGES] = "coin_collector"  # type: ignore[valid-type]
+    settings: dict[str, Any] = {}
+    cache_dir: str = "~/.cache/compactrl/textworld"
+    list_commands: bool = True
+
+
+EnvConfig = Annotated[RecallConfig | RoomsConfig | TextWorldConfig, Field(discriminator="name")]
+
+
+def make_env(cfg) -> Env:
+    args = cfg.model_dump(exclude={"name"})
+    return {"recall": RecallEnv, "rooms": RoomsEnv, "textworld": TextWorldEnv}[cfg.name](**args)

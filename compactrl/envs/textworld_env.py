@@ -1,0 +1,132 @@
+"""TextWorld games, generated locally (offline) and cached on disk.
+
+``challenge`` is one of TextWorld's built-in generators (coin_collector, treasure_hunter, simple,
+cooking) with its settings; the seed picks the game. A game is compiled once per (challenge,
+settings, seed) into ``cache_dir`` and reused. The task is the game's objective; each observation
+is the game's feedback followed by the admissible commands; the reward is the score gained by
+the step (intermediate rewards), and the episode ends when the game is won or lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from compactrl.envs.base import Reset, Step
+
+DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
+    "coin_collector": {"level": 1},
+    "treasure_hunter": {"level": 1},
+    "simple": {"rewards": "dense", "goal": "detailed", "test": False},
+    "cooking": {
+        "recipe": 1,
+        "take": 1,
+        "go": 1,
+        "open": False,
+        "cook": False,
+        "cut": False,
+        "drop": False,
+        "recipe_seed": 0,
+        "split": "train",
+    },  # fmt: skip
+}
+CHALLENGES = tuple(DEFAULT_SETTINGS)
+_STATUS = re.compile(r"\n?>\s{8,}\S.*")
+
+
+def _textworld():
+    try:
+        import textworld
+        import textworld.challenges
+    except ImportError as e:
+        raise ImportError(
+            "the textworld env needs the textworld package: pip install 'compactrl[textworld]'"
+        ) from e
+    return textworld
+
+
+def game_path(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Path:
+    key = hashlib.sha1(json.dumps([challenge, settings, seed], sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir / f"{challenge}-{seed}-{key}.z8"
+
+
+def make_game(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Path:
+    """Compile the game if it is not cached (atomically, so concurrent episodes can share it)."""
+    path = game_path(cache_dir, challenge, settings, seed)
+    if path.exists():
+        return path
+    tw = _textworld()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        opts = tw.GameOptions()
+        opts.seeds = seed
+        opts.path = str(Path(tmp) / path.name)
+        opts.file_ext = ".z8"
+        game = tw.challenges.CHALLENGES[f"tw-{challenge}"][1](settings, opts)
+        built = Path(tw.generator.compile_game(game, opts))
+        os.replace(built.with_suffix(".json"), path.with_suffix(".json"))  # metadata (objective, ...)
+        os.replace(built, path)  # last: its presence means the game is complete
+    return path
+
+
+class TextWorldEnv:
+    name = "textworld"
+
+    def __init__(
+        self,
+        challenge: str = "coin_collector",
+        settings: dict[str, Any] | None = None,
+        cache_dir: str | Path = "~/.cache/compactrl/textworld",
+        list_commands: bool = True,
+    ):
+        if challenge not in DEFAULT_SETTINGS:
+            raise ValueError(f"textworld challenge {challenge!r} unknown; choose one of {list(CHALLENGES)}")
+        unknown = set(settings or {}) - set(DEFAULT_SETTINGS[challenge])
+        if unknown:
+            raise ValueError(
+                f"{challenge} has no settings {sorted(unknown)}; it takes {DEFAULT_SETTINGS[challenge]}"
+            )
+        self.challenge = challenge
+        self.settings = {**DEFAULT_SETTINGS[challenge], **(settings or {})}
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.list_commands = list_commands
+        self.env = None
+
+    def _observe(self, gs) -> str:
+        text = _STATUS.sub("", gs.feedback)  # the Z-machine status line (prompt, room, score)
+        text = re.sub(r"\n{3,}", "\n\n", text).strip()
+        if self.list_commands and gs.admissible_commands:
+            text += "\nAdmissible commands: " + ", ".join(gs.admissible_commands)
+        return text
+
+    def reset(self, seed: int) -> Reset:
+        tw = _textworld()
+        path = make_game(self.cache_dir, self.challenge, self.settings, seed)
+        self.close()
+        infos = tw.EnvInfos(admissible_commands=True, objective=True, score=True,
+                            max_score=True, won=True, lost=True)  # fmt: skip
+        self.env = tw.start(str(path), request_infos=infos)
+        gs = self.env.reset()
+        self.score = gs.score
+        room = gs.feedback.find("-= ")  # the intro is a banner, the objective, then the first room
+        gs.feedback = gs.feedback[room:] if room >= 0 else gs.feedback
+        return Reset(task=gs.objective.strip(), observation=self._observe(gs))
+
+    def step(self, action: str) -> Step:
+        if self.env is None:
+            raise RuntimeError("call reset() before step()")
+        command = action.strip().splitlines()[0] if action.strip() else "look"
+        gs, _, done = self.env.step(command)
+        reward, self.score = gs.score - self.score, gs.score
+        info = {"score": gs.score, "max_score": gs.max_score, "won": bool(gs.won), "lost": bool(gs.lost)}
+        return Step(self._observe(gs), reward=float(reward), done=bool(done), info=info)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
