@@ -78,7 +78,7 @@ def load_run_config(model, path: Path | None, overrides: list[str] | None):
 
 @app.command("rollout")
 def rollout_cmd(
-    config: Annotated[Path | None, typer.Argument(help="TOML config (default: the built-in defaults).")] = None,
+    config: Annotated[Path | None, typer.Argument(help="TOML config (default: built-in defaults).")] = None,
     overrides: SetOption = None,
     as_json: JsonFlag = False,
 ) -> None:

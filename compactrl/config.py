@@ -70,6 +70,7 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] = 
         lines = []
         for err in e.errors():
             where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"  {where}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err else ""))
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {where}: {msg}" + (f" (got {err['input']!r})" if "input" in err else ""))
         src = f"{path}" if path else "the config"
         raise ConfigError(f"{src} is invalid:\n" + "\n".join(lines)) from e

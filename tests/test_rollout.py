@@ -1,0 +1,208 @@
+"""Episodes through the engine: modes, strategies, exact re-prefill accounting, env failures."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from compactrl.agent.batch import RolloutConfig, rollout, run_episodes
+from compactrl.agent.chat import ChatFormat
+from compactrl.agent.rollout import RolloutSettings
+from compactrl.compaction import EvictSteps, Markovian, PickTurns, SlidingWindow, Summary, build_strategy
+from compactrl.config import ConfigError, load_config
+from compactrl.engine import Engine, EngineConfig
+from compactrl.envs import Reset, Step
+from compactrl.envs.recall import RecallEnv
+from compactrl.envs.rooms import RoomsEnv
+from compactrl.models.tiny import write_tiny_model
+from compactrl.rl.forward import stream_logprobs
+from compactrl.trace import load_traces
+
+SETTINGS = RolloutSettings(max_tokens=6)
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), chat_format=request.param)
+
+
+def run(model_dir, make_env, strategy_cfg, mode, seeds=(1, 2, 3), settings=SETTINGS, pool=100_000, conc=8):
+    engine = Engine.from_pretrained(model_dir, config=EngineConfig(kv_pool_tokens=pool))
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    strategy = build_strategy(strategy_cfg)
+    results = asyncio.run(run_episodes(engine, fmt, make_env, strategy, mode, settings, list(seeds), conc))
+    return engine, results
+
+
+STRATEGIES = [
+    SlidingWindow(max_turns=3, stride=1),
+    Markovian(max_turns=4),
+    Summary(budget=260, max_tokens=12),
+    PickTurns(budget=260),
+]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_stream_reprefills_nothing_and_reprefill_matches_the_cost_model(model_dir, strategy):
+    rooms = lambda: RoomsEnv(n_rooms=7, filler=3)  # noqa: E731
+    _, stream = run(model_dir, rooms, strategy, "stream")
+    _, repre = run(model_dir, rooms, strategy, "reprefill")
+    for s, r in zip(stream, repre):
+        assert s.error is None and r.error is None
+        assert s.compactions > 0 and r.compactions > 0
+        assert s.reprefilled_tokens == 0 and s.segments == 1 and len(s.traces) == 1
+        assert r.reprefilled_tokens > 0
+        assert r.reprefilled_tokens == r.predicted_reprefilled_tokens  # exact, not an estimate
+        assert r.segments == r.compactions + 1 == len(r.traces)
+        assert r.prefilled_tokens > s.prefilled_tokens
+        assert r.turns == s.turns == 8  # rooms has a fixed length
+
+
+def test_full_mode_never_compacts_and_holds_everything(model_dir):
+    _, full = run(model_dir, lambda: RoomsEnv(n_rooms=5, filler=2), SlidingWindow(max_turns=2), "full")
+    _, stream = run(model_dir, lambda: RoomsEnv(n_rooms=5, filler=2), SlidingWindow(max_turns=2), "stream")
+    for f, s in zip(full, stream):
+        assert f.compactions == 0 and f.strategy == "none"
+        assert f.peak_live_kv == len(f.traces[0]) > s.peak_live_kv
+        assert (f.traces[0].evict_at == len(f.traces[0])).all()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_stream_traces_match_the_trainer(model_dir, strategy):
+    """Real rollouts (not synthetic streams): the trainer's one-pass forward under the eviction
+    mask reproduces every sampled log-prob; ignoring the evictions does not."""
+    engine, results = run(model_dir, lambda: RoomsEnv(n_rooms=7, filler=3), strategy, "stream", seeds=(4, 5))
+    traces = [r.traces[0] for r in results]
+    assert all(t.num_evicted > 0 for t in traces)
+    with torch.no_grad():
+        ours = stream_logprobs(engine.model, traces)
+        causal = [t.__class__.from_tokens(t.tokens, trainable=t.trainable) for t in traces]
+        blind = stream_logprobs(engine.model, causal)
+    for t, lp, bl in zip(traces, ours, blind):
+        m = t.trainable
+        assert np.abs(lp.double().numpy()[m] - t.logprobs[m]).max() < 5e-5
+        assert np.abs(bl.double().numpy()[m] - t.logprobs[m]).max() > 0.1  # negative control
+
+
+def test_summary_is_trainable_and_stays_while_old_steps_go(model_dir):
+    _, (r,) = run(
+        model_dir, lambda: RoomsEnv(n_rooms=7, filler=3), Summary(budget=260, max_tokens=12), "stream", (7,)
+    )
+    t = r.traces[0]
+    roles = np.array(t.role)
+    summary = (roles == "summary") & t.trainable
+    assert summary.any()
+    T = len(t)
+    assert (t.evict_at[summary] == T).all() or r.compactions > 1  # the last summary is live at the end
+    assert t.num_evicted > 0
+
+
+def test_recall_evicts_the_assignment_before_the_question(model_dir):
+    engine, (r,) = run(model_dir, lambda: RecallEnv(k=16), EvictSteps(), "stream", (3,), RolloutSettings())
+    t, tok = r.traces[0], engine.tokenizer
+    assert r.error is None and r.compactions == 1 and r.turns == 2
+    assign = np.flatnonzero(t.evict_at < len(t))
+    assert f"Your fruit is {r.info['answer']}." in tok.decode(t.tokens[assign].tolist())
+    e = int(t.evict_at[assign[0]])
+    assert (t.evict_at[assign] == e).all()
+    question = ChatFormat.from_tokenizer(tok).message("user", "Which fruit were you assigned")[:-3]
+    assert t.tokens[e : e + len(question)].tolist() == question  # evicted right before the question
+    assert np.isin(assign, t.visible(e - 1)).all()  # the counting saw the assignment
+    assert not np.isin(assign, t.visible(e)).any()  # the question and the answer never do
+
+
+def test_recall_rewards_an_exact_unleaked_answer():
+    env = RecallEnv(k=16)
+    env.reset(seed=5)
+    env.step("1 2 3 4")
+    good = env.step(f"Recall: {env.answer}")
+    assert good.reward == 1.0 and good.done
+    env.reset(seed=5)
+    env.step(f"1 2 {env.answer} 3")  # leaked into the counting
+    assert env.step(f"Recall: {env.answer}").reward == 0.0
+    env.reset(seed=5)
+    env.step("1 2 3")
+    wrong = next(c for c in env.candidates if c != env.answer)
+    assert env.step(f"Recall: {wrong}").reward == 0.0
+
+
+def test_rooms_asks_for_an_early_code():
+    env = RoomsEnv(n_rooms=4, query_room=2)
+    env.reset(seed=0)
+    for _ in range(3):
+        assert not env.step("next").done
+    q = env.step("next")
+    assert "room 2" in q.observation and not q.done
+    assert env.step(f"Code: {env.codes[1]}").reward == 1.0
+
+
+class Flaky:
+    """An env that raises or hangs on a given step (seed 0: raises, seed 1: hangs, else fine)."""
+
+    name = "flaky"
+
+    def reset(self, seed):
+        self.seed, self.n = seed, 0
+        return Reset(task="Say anything.", observation="Go.")
+
+    def step(self, action):
+        self.n += 1
+        if self.n == 2 and self.seed == 0:
+            raise ValueError("boom")
+        if self.n == 2 and self.seed == 1:
+            time.sleep(3)
+        return Step("ok", reward=1.0, done=self.n == 4)
+
+    def close(self):
+        pass
+
+
+def test_a_failing_or_hanging_env_ends_only_its_episode(model_dir):
+    settings = RolloutSettings(max_tokens=4, env_timeout_s=0.5)
+    _, results = run(model_dir, Flaky, SlidingWindow(max_turns=2), "stream", (0, 1, 2, 3), settings)
+    assert "boom" in results[0].error and "did not return" in results[1].error
+    assert results[2].error is None and results[3].error is None
+    assert results[2].reward == results[3].reward == 4.0
+    assert results[0].turns == results[1].turns == 2 and results[0].traces  # what happened is kept
+
+
+def test_oversubscribed_pool_preempts_and_completes_identically(model_dir):
+    greedy = RolloutSettings(max_tokens=6, temperature=0.0)
+    rooms = lambda: RoomsEnv(n_rooms=5, filler=3)  # noqa: E731
+    _, alone = run(model_dir, rooms, SlidingWindow(max_turns=3), "stream", range(6), greedy, conc=1)
+    _, crowded = run(model_dir, rooms, SlidingWindow(max_turns=3), "stream", range(6), greedy, pool=700)
+    assert sum(r.preemptions for r in crowded) > 0
+    for a, c in zip(alone, crowded):
+        assert c.error is None
+        assert np.array_equal(a.traces[0].tokens, c.traces[0].tokens)
+
+
+def test_rollout_command_writes_a_run_dir(tmp_path):
+    cfg = load_config(
+        RolloutConfig,
+        None,
+        [f"out={tmp_path / 'run'}", "episodes=3", "env.n_rooms=4", "strategy.max_turns=2", "mode=reprefill"],
+    )
+    summary = rollout(cfg)
+    assert summary["episodes"] == 3 and summary["errors"] == 0
+    assert summary["reprefilled_tokens"] == summary["predicted_reprefilled_tokens"] > 0
+    traces = load_traces(tmp_path / "run" / "traces.jsonl")
+    assert len(traces) == summary["compactions"] + 3
+    assert len((tmp_path / "run" / "episodes.jsonl").read_text().splitlines()) == 3
+
+
+def test_bad_configs_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="strategy.sliding_window: stride 5 > max_turns 2"):
+        load_config(RolloutConfig, None, ["strategy.max_turns=2", "strategy.stride=5"])
+    with pytest.raises(ConfigError, match="episodes"):
+        load_config(RolloutConfig, None, ["episodes=0"])
+    with pytest.raises(ConfigError, match="evict_steps"):
+        load_config(RolloutConfig, None, ["env.name=recall"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[env]\nname = 'rooms'\nn_room = 3\n")
+    with pytest.raises(ConfigError, match="n_room"):
+        load_config(RolloutConfig, bad)
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(RolloutConfig, None, ["episodes"])
