@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from compactrl.compaction.base import Context, Decision, Request
 
-_KEEP = re.compile(r"KEEP:\s*([\d,\s]*)", re.IGNORECASE)
+_KEEP = re.compile(r"KEEP:\s*(\d+(?:\s*,\s*\d+)*)", re.IGNORECASE)
 
 
 def _preview(text: str, width: int) -> str:
@@ -50,10 +50,7 @@ class Pick:
         m = _KEEP.search(answer or "")
         if m is None:
             return None
-        try:
-            keep = {int(x) for x in m.group(1).replace(",", " ").split()}
-        except ValueError:
-            return None
+        keep = {int(x) for x in m.group(1).split(",")}
         sizes = {s.index: s.tokens for s in ctx.steps}
         if not keep <= set(sizes) or sum(sizes[i] for i in keep) > self.budget:
             return None

@@ -14,6 +14,8 @@ import json
 import os
 import re
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
 }
 CHALLENGES = tuple(DEFAULT_SETTINGS)
+_GENERATING = threading.RLock()
 _STATUS = re.compile(r"\n?>\s{8,}\S.*")
 
 
@@ -56,13 +59,16 @@ def game_path(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Pat
 
 
 def make_game(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Path:
-    """Compile the game if it is not cached (atomically, so concurrent episodes can share it)."""
+    """Compile the game if it is not cached. One at a time (TextWorld's generator has global
+    parser state), and atomically, so other processes sharing the cache see whole games only."""
     path = game_path(cache_dir, challenge, settings, seed)
     if path.exists():
         return path
     tw = _textworld()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+    with _GENERATING, tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        if path.exists():  # made by another episode while this one waited
+            return path
         opts = tw.GameOptions()
         opts.seeds = seed
         opts.path = str(Path(tmp) / path.name)
@@ -110,8 +116,11 @@ class TextWorldEnv:
         self.close()
         infos = tw.EnvInfos(admissible_commands=True, objective=True, score=True,
                             max_score=True, won=True, lost=True)  # fmt: skip
-        self.env = tw.start(str(path), request_infos=infos)
-        gs = self.env.reset()
+        with _GENERATING, warnings.catch_warnings():  # loading parses logic with the same parser
+            # jericho: "not fully supported, score detection disabled"; TextWorld keeps the score itself
+            warnings.filterwarnings("ignore", message=".*is not fully supported")
+            self.env = tw.start(str(path), request_infos=infos)
+            gs = self.env.reset()
         self.score = gs.score
         room = gs.feedback.find("-= ")  # the intro is a banner, the objective, then the first room
         gs.feedback = gs.feedback[room:] if room >= 0 else gs.feedback

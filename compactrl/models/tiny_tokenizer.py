@@ -24,7 +24,11 @@ EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MODEL_MAX_LENGTH = 32768
 LLAMA3_SPECIAL_TOKENS = (
-    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
 )
 
 # ChatML as in Qwen2.5, without tools and without an implicit default system prompt.

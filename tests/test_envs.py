@@ -1,0 +1,85 @@
+"""Environments and compaction plans on their own, and TextWorld end to end (offline)."""
+
+import asyncio
+
+import pytest
+
+from compactrl.agent.batch import run_episodes
+from compactrl.agent.chat import ChatFormat
+from compactrl.agent.rollout import RolloutSettings
+from compactrl.compaction import Context, StepView, build_strategy
+from compactrl.compaction import SlidingWindow as SlidingWindowConfig
+from compactrl.compaction.pick import Pick
+from compactrl.engine import Engine, EngineConfig
+from compactrl.envs import EnvError, guarded
+from compactrl.envs.textworld_env import TextWorldEnv, game_path
+from compactrl.models.tiny import write_tiny_model
+
+pytest.importorskip("textworld")
+
+
+def ctx(sizes):
+    steps = [StepView(i, n, f"step {i} text") for i, n in enumerate(sizes)]
+    return Context(steps, head_tokens=50, incoming_tokens=10, step=len(sizes), steps_since_compaction=1,
+                   last_action="")  # fmt: skip
+
+
+def test_pick_parses_a_valid_answer_and_falls_back_on_bad_ones():
+    pick, c = Pick(budget=100), ctx([40, 30, 30, 30])
+    d = pick.decide(c, "KEEP: 0, 3")
+    assert d.delete == [1, 2] and not d.fallback
+    for bad in ["I keep everything", "KEEP: 0, 1, 2, 3", "KEEP: 7", "KEEP: two", None]:
+        d = pick.decide(c, bad)
+        assert d.fallback, bad
+        assert d.delete == [0]  # default: the most recent steps that fit (3, 2, 1 = 90 tokens)
+    assert "[3] (30 tokens) step 3 text" in pick.request(c).prompt
+
+
+def test_textworld_game_is_generated_once_and_played(tmp_path):
+    env = TextWorldEnv("coin_collector", {"level": 1}, cache_dir=tmp_path)
+    first = env.reset(seed=3)
+    assert "coin" in first.task and "Admissible commands:" in first.observation
+    path = game_path(tmp_path, "coin_collector", env.settings, 3)
+    stamp = path.stat().st_mtime_ns
+    env.reset(seed=3)
+    assert path.stat().st_mtime_ns == stamp  # cached, not regenerated
+    commands = first.observation.split("Admissible commands: ")[1].split(", ")
+    assert "take coin" in commands
+    step = env.step("take coin")
+    assert step.reward == 1.0 and step.done and step.info["won"]
+    env.close()
+
+
+def test_textworld_rejects_unknown_settings(tmp_path):
+    with pytest.raises(ValueError, match="level"):
+        TextWorldEnv("coin_collector", {"levle": 2}, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="coin_collector"):
+        TextWorldEnv("zork", cache_dir=tmp_path)
+
+
+def test_textworld_episodes_through_the_engine(tmp_path):
+    folder = write_tiny_model(tmp_path / "model")
+    engine = Engine.from_pretrained(folder, config=EngineConfig(kv_pool_tokens=50_000))
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    make = lambda: TextWorldEnv("treasure_hunter", {"level": 1}, cache_dir=tmp_path / "games")  # noqa: E731
+    strategy = build_strategy(SlidingWindowConfig(max_turns=2))
+    settings = RolloutSettings(max_tokens=6, max_turns=4)
+    results = asyncio.run(run_episodes(engine, fmt, make, strategy, "stream", settings, [0, 1], 2))
+    for r in results:
+        assert r.error is None and r.turns >= 1
+        assert r.truncated or r.info.get("won") or r.info.get("lost")
+        assert r.compactions > 0 or r.turns < 3
+        t = r.traces[0]
+        assert "Admissible commands" in engine.tokenizer.decode(t.tokens.tolist())
+
+
+class Broken:
+    name = "broken"
+
+    def reset(self, seed):
+        return {"task": "not a Reset"}
+
+
+def test_malformed_env_output_is_an_env_error():
+    with pytest.raises(EnvError, match="expected Reset"):
+        asyncio.run(guarded(Broken(), "reset", 0, 1.0))
