@@ -9,6 +9,7 @@ the step (intermediate rewards), and the episode ends when the game is won or lo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,6 +54,14 @@ def _textworld():
     return textworld
 
 
+@contextlib.contextmanager
+def _quiet():
+    """jericho warns "not fully supported, score detection disabled"; TextWorld keeps the score."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is not fully supported")
+        yield
+
+
 def game_path(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Path:
     key = hashlib.sha1(json.dumps([challenge, settings, seed], sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir / f"{challenge}-{seed}-{key}.z8"
@@ -66,7 +75,7 @@ def make_game(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Pat
         return path
     tw = _textworld()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _GENERATING, tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+    with _GENERATING, _quiet(), tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         if path.exists():  # made by another episode while this one waited
             return path
         opts = tw.GameOptions()
@@ -116,9 +125,7 @@ class TextWorldEnv:
         self.close()
         infos = tw.EnvInfos(admissible_commands=True, objective=True, score=True,
                             max_score=True, won=True, lost=True)  # fmt: skip
-        with _GENERATING, warnings.catch_warnings():  # loading parses logic with the same parser
-            # jericho: "not fully supported, score detection disabled"; TextWorld keeps the score itself
-            warnings.filterwarnings("ignore", message=".*is not fully supported")
+        with _GENERATING, _quiet():  # loading a game parses its logic with the same parser
             self.env = tw.start(str(path), request_infos=infos)
             gs = self.env.reset()
         self.score = gs.score
