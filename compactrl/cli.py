@@ -100,6 +100,41 @@ def rollout_cmd(
     out.print(table)
 
 
+@app.command("cost")
+def cost_cmd(
+    n: Annotated[int, typer.Option("--n", help="Tokens in the rollout (N).")] = 32768,
+    budget: Annotated[list[int] | None, typer.Option(help="Context budget B (repeatable).")] = None,
+    kept: Annotated[list[int] | None, typer.Option(help="Kept tokens per compaction r (repeatable).")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write the figure (extra prefill vs r per B) here.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Extra prefill of re-prefill compaction, N r / (B - r), and the paper-style figure."""
+    from compactrl.bench.cost import cost_table, plot_cost
+
+    budgets, rs = budget or [1024, 2048, 4096, 8192], kept or [128, 256, 512, 1024]
+    if n < 1 or min(budgets) < 1 or min(rs) < 0:
+        fail("--n and --budget must be >= 1 and --kept >= 0")
+    rows = cost_table(n, budgets, rs)
+    if not rows:
+        fail("every --kept is >= every --budget: a compaction must keep fewer tokens than the budget")
+    figure = str(plot_cost(plot, n, budgets)) if plot else None
+    if as_json:
+        emit_json({"rows": rows, "plot": figure})
+        return
+    table = Table(box=box.SIMPLE, title=f"re-prefill compaction over N = {n} tokens (stream: 0 extra)")
+    for col in ("B", "r", "extra prefill tokens", "extra / N"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row["B"]), str(row["r"]), f"{row['extra_prefill_tokens']:.0f}", f"{row['extra_over_N']:.3f}"
+        )
+    out.print(table)
+    if figure:
+        out.print(f"figure: {figure}")
+
+
 @app.command("init-model")
 def init_model(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],

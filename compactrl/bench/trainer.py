@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compactrl.bench.cost import extra_prefill
 from compactrl.bench.synthetic import STRATEGIES, Strategy, kept_per_compaction, synthetic_rollout
 from compactrl.models.decoder import CausalLM, token_logprobs
 from compactrl.models.loading import config_summary, load_model
@@ -136,7 +137,7 @@ def bench_strategy(
     # B is the live context at which compactions actually fire (<= the budget when turns don't tile it)
     N, B = n_tokens, int(trace.live_counts().max())
     r = statistics.mean(kept) if kept else 0.0
-    cost_model = 1 + r / (B - r)
+    cost_model = 1 + extra_prefill(N, B, r) / N
     return {
         "strategy": strategy,
         "compactions": len(kept),
