@@ -468,5 +468,74 @@ def bench_engine(
         )
 
 
+@bench_app.command("modes")
+def bench_modes(
+    model_dir: Annotated[
+        Path | None, typer.Option("--model", help="Checkpoint folder (default: generated).")
+    ] = None,
+    size: Annotated[str, typer.Option(help="Generated model size: tiny | small | base.")] = "tiny",
+    strategy: Annotated[
+        list[str] | None, typer.Option(help="Strategies (repeatable; default all four).")
+    ] = None,
+    episodes: Annotated[int, typer.Option(help="Episodes per mode and strategy (all concurrent).")] = 8,
+    rooms: Annotated[int, typer.Option(help="Turns of the long-horizon rooms task.")] = 40,
+    window: Annotated[int, typer.Option(help="Sliding-window / Markovian window in turns.")] = 10,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per mode (median is reported).")] = 1,
+    sweep: Annotated[
+        list[int] | None, typer.Option(help="Concurrency levels of the sweep (repeatable).")
+    ] = None,
+    output: Annotated[
+        Path, typer.Option("--out", help="JSON path; the PNG plots are written next to it.")
+    ] = Path("runs/bench_modes.json"),
+    as_json: JsonFlag = False,
+) -> None:
+    """full vs reprefill vs stream on the same episodes; concurrency sweep under one KV pool."""
+    from compactrl.bench.modes import STRATEGY_NAMES, run_modes_bench
+
+    check_model_args(model_dir, size)
+    names = tuple(strategy or STRATEGY_NAMES)
+    bad = sorted(set(names) - set(STRATEGY_NAMES))
+    if bad:
+        fail(f"--strategy {bad} unknown; choose from {list(STRATEGY_NAMES)}")
+    levels = tuple(sorted(set(sweep or (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))))
+    if min(episodes, rooms, window, threads, repeats, *levels) < 1:
+        fail("--episodes, --rooms, --window, --threads, --repeats and --sweep must be >= 1")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with progress_bar("bench modes") as progress:
+        result = run_modes_bench(
+            model_dir, size=size, threads=threads, strategies=names, episodes=episodes, n_rooms=rooms,
+            window=window, repeats=repeats, sweep=levels, plots=output.with_suffix(""), progress=progress,
+        )  # fmt: skip
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        emit_json(result)
+        return
+    m, model = result["machine"], result["model"]
+    out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="same episodes, three modes")
+    columns = ("strategy", "mode", "wall s", "prefilled", "re-prefilled", "predicted", "peak KV", "KV reads")
+    for name in columns:
+        table.add_column(name, no_wrap=True)
+    for r in result["strategies"]:
+        for mode in ("full", "reprefill", "stream"):
+            x = r[mode]
+            table.add_row(
+                r["strategy"], mode, f"{x['wall_s']:.2f}", str(x["prefilled_tokens"]),
+                str(x["reprefilled_tokens"]), str(x["predicted_reprefilled_tokens"]),
+                str(x["peak_live_kv"]), str(x["kv_reads"]),
+            )  # fmt: skip
+        out.print(f"{r['strategy']}: wall-clock reprefill / stream = {r['wallclock_ratio']:.2f}")
+    out.print(table)
+    c = result["concurrency"]
+    bound = " (stream never preempted: lower bound)" if c["concurrency_ratio_is_lower_bound"] else ""
+    out.print(
+        f"KV pool {c['pool_tokens']} tokens: preemption starts at {c['preemption_onset']['full']} concurrent "
+        f"episodes in full mode, {c['preemption_onset']['stream']} in stream mode; ratio "
+        f"{c['concurrency_ratio']}{bound}"
+    )
+    out.print("plots: " + ", ".join(result.get("plots", [])))
+
+
 if __name__ == "__main__":
     app()

@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,3 +207,12 @@ def test_bad_configs_name_the_field(tmp_path):
         load_config(RolloutConfig, bad)
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(RolloutConfig, None, ["episodes"])
+
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "rollout").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_rollout_configs_are_valid(path):
+    cfg = load_config(RolloutConfig, path)
+    assert cfg.env.name in path.name or path.name.startswith(cfg.env.name)

@@ -44,6 +44,7 @@ class RolloutSettings(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    ignore_eos: bool = Field(False, description="generate exactly max_tokens (fixed-length benchmarks)")
     system: str | None = Field(None, description="system prompt (default: none)")
     env_timeout_s: float = Field(60.0, gt=0, description="an env call that takes longer ends its episode")
 
@@ -143,7 +144,8 @@ class Episode:
         self._add(owner, self.fmt.header("assistant"), role)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            stop_token_ids=list(self.fmt.stop_ids), seed=self.seed * 100_003 + self.messages,
+            stop_token_ids=[] if s.ignore_eos else list(self.fmt.stop_ids), ignore_eos=s.ignore_eos,
+            seed=self.seed * 100_003 + self.messages,
         )  # fmt: skip
         self.messages += 1
         start = len(self.session.tokens)

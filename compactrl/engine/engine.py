@@ -50,6 +50,9 @@ class EngineConfig(BaseModel):
     max_step_tokens: int = Field(1024, gt=0, description="tokens fed per step (decode + prefill chunks)")
     block_size: int = Field(1, gt=0, description="KV accounting granularity per row (1 = token-exact)")
     compact_holes: float = Field(0.25, gt=0, le=1, description="compact a row when this share is holes")
+    idle_grace_s: float = Field(
+        0.1, ge=0, description="an idle session is not displaced by admissions until idle this long"
+    )
 
 
 class Engine:
@@ -103,6 +106,7 @@ class Engine:
 
     def wake(self, s: Session) -> None:
         self.active[s] = None
+        s.last_active = time.monotonic()
 
     def check_fits(self, s: Session, more: int) -> None:
         need = self._blocks(s.live + more)
@@ -174,14 +178,23 @@ class Engine:
                 else:
                     raise AssertionError(f"session {s.id}: token {j} is live but not in its KV")
 
+    def _displaceable(self, s: Session, now: float) -> bool:
+        """An idle resident that has been idle past the grace period (an agent between turns
+        comes back soon: displacing it would only make it recompute)."""
+        return not s.busy and now - s.last_active >= self.config.idle_grace_s
+
     def _preempt_one(self, keep: set[Session], idle_only: bool) -> bool:
+        now = time.monotonic()
         victims = [
             s for s in self.sessions
-            if s.row is not None and s not in keep and not s.closed and not (idle_only and s.busy)
+            if s.row is not None and s not in keep and not s.closed
+            and (self._displaceable(s, now) if idle_only else True)
         ]  # fmt: skip
         if not victims:
             return False
-        v = max(victims, key=lambda s: (not s.busy, s.admitted_at))  # idle ones first, then LIFO
+        idle = [s for s in victims if not s.busy]
+        # idle ones first, least recently active; then busy ones, most recently admitted (LIFO)
+        v = min(idle, key=lambda s: s.last_active) if idle else max(victims, key=lambda s: s.admitted_at)
         self.release(v)
         v.metrics.preemptions += 1
         if v.busy:
@@ -269,7 +282,8 @@ class Engine:
         for s in list(self.active):
             if not s.busy:
                 del self.active[s]
-        if not feeds and not ready and self.active:
+        waiting = any(not s.busy and s.row is not None and not s.closed for s in self.sessions)
+        if not feeds and not ready and self.active and not waiting:
             stuck = ", ".join(s.id for s in self.active)
             raise RuntimeError(f"no progress possible for sessions {stuck}: the KV pool cannot hold them")
         return sum(f.n for f in feeds)
@@ -311,6 +325,7 @@ class Engine:
 
     def _fed(self, f: Feed, logits: torch.Tensor | None) -> None:
         s = f.session
+        s.last_active = time.monotonic()
         sampled = sum(s.trainable[f.start : f.start + f.n])
         s.metrics.prefill_tokens += f.n - sampled
         if sampled and f.n == 1:  # a decode step reads the whole live KV
@@ -329,8 +344,8 @@ class Engine:
         """Drive the engine from an asyncio loop: agents ``await session.agenerate(...)`` meanwhile."""
         while True:
             if self.active:
-                self.step()
-                await asyncio.sleep(0)
+                fed = self.step()
+                await asyncio.sleep(0 if fed else idle_sleep)  # nothing fed: waiting for room
             else:
                 await asyncio.sleep(idle_sleep)
 

@@ -101,6 +101,7 @@ class Session:
         self.live = 0  # live (not evicted) fed-or-unfed tokens
         self.metrics = SessionMetrics()
         self.admitted_at = 0  # scheduler tick of the last admission (LIFO preemption order)
+        self.last_active = 0.0  # time.monotonic() of the last work (LRU displacement of idle sessions)
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, T={len(self.tokens)}, fed={self.fed}, live={self.live})"
