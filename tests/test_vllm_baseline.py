@@ -92,3 +92,44 @@ def test_logprobs_match_transformers(hf_model, tmp_path):
         assert lp.argmax(-1).tolist() == res["token_ids"]  # greedy agrees
         ref = lp.gather(1, full[0, len(p) :, None])[:, 0]
         assert torch.allclose(ref, torch.tensor(res["logprobs"]), atol=1e-4)
+
+
+@needs_vllm
+def test_reprefill_rollouts_on_vllm_follow_the_same_schedule(hf_model, tmp_path):
+    """The vLLM baseline runs compactrl's own episodes; with the same seeds and fixed-length
+    actions it compacts as often and sends exactly the re-prefill the cost model predicts."""
+    job = {
+        "model": str(hf_model), "threads": 1, "max_model_len": 4096, "seeds": [0, 1], "concurrency": 2,
+        "settings": {"max_tokens": 6, "max_turns": 7, "ignore_eos": True},
+        "env": {"n_rooms": 6, "filler": 3, "action_tokens": 6},
+        "runs": [{"strategy": {"name": "sliding_window", "max_turns": 3, "stride": 1}, "mode": "reprefill"}],
+    }  # fmt: skip
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    script = SCRIPT.with_name("vllm_rollout.py")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.resolve().parents[2])}
+    r = subprocess.run(
+        [VLLM_PYTHON, str(script), str(path)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    (run,) = json.loads(r.stdout)["runs"]
+
+    import asyncio
+
+    from compactrl.agent.batch import run_episodes
+    from compactrl.agent.chat import ChatFormat
+    from compactrl.agent.rollout import RolloutSettings
+    from compactrl.compaction import SlidingWindow, build_strategy
+    from compactrl.engine import Engine
+    from compactrl.envs.rooms import RoomsEnv
+
+    engine = Engine.from_pretrained(hf_model)
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    make = lambda: RoomsEnv(6, filler=3, action_tokens=6)  # noqa: E731
+    strategy, settings = build_strategy(SlidingWindow(max_turns=3)), RolloutSettings(**job["settings"])
+    ours = asyncio.run(run_episodes(engine, fmt, make, strategy, "reprefill", settings, [0, 1], 2))
+    assert run["errors"] == [] and run["turns"] == sum(o.turns for o in ours) == 14
+    assert run["compactions"] == sum(o.compactions for o in ours) > 0
+    assert run["predicted_reprefilled_tokens"] == sum(o.predicted_reprefilled_tokens for o in ours)
+    assert run["reprefilled_tokens_sent"] == run["predicted_reprefilled_tokens"]
+    assert 0 < run["computed_prompt_tokens"]

@@ -15,7 +15,10 @@ onset / full onset), as in the KV-streams paper's figure 9.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -79,6 +82,24 @@ def _totals(wall: float, results: list[EpisodeResult]) -> dict:
     }
 
 
+def _vllm_rollouts(vllm_python: str, job: dict, tmp: Path) -> list[dict]:
+    """Run the same episodes in ``reprefill`` mode on vLLM (its own virtualenv, a subprocess)."""
+    path = tmp / "vllm_job.json"
+    path.write_text(json.dumps(job))
+    script = Path(__file__).with_name("vllm_rollout.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([vllm_python, str(script), str(path)], capture_output=True, text=True, env=env,
+                          timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the vLLM rollouts failed:\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for run in out["runs"]:
+        if run["errors"]:
+            raise RuntimeError(f"vLLM {run['strategy']} episodes failed: {run['errors'][0]}")
+        run |= {"vllm": out["version"], "prefix_caching": out["prefix_caching"]}
+    return out["runs"]
+
+
 def _onset(points: list[dict]) -> int | None:
     return next((p["concurrency"] for p in points if p["preemptions"] > 0), None)
 
@@ -100,6 +121,7 @@ def run_modes_bench(
     sweep_rooms: int = 64,
     sweep_filler: int = 8,
     sweep_window: int = 8,
+    vllm_python: str | None = None,
     plots: Path | None = None,
     progress=None,
 ) -> dict:
@@ -155,6 +177,16 @@ def run_modes_bench(
                     points.append({"concurrency": c, **_totals(wall, results)})
                 advance()
         onsets = {m: _onset(p) for m, p in sweep_rows.items()}
+        if vllm_python:
+            job = {
+                "model": str(folder), "threads": threads, "max_model_len": 32768, "seeds": seeds,
+                "concurrency": episodes, "settings": settings.model_dump(),
+                "env": {"n_rooms": n_rooms, "filler": filler, "action_tokens": action_tokens},
+                "runs": [{"strategy": r["params"], "mode": "reprefill"} for r in rows],
+            }  # fmt: skip
+            for row, v in zip(rows, _vllm_rollouts(vllm_python, job, Path(tmp)), strict=True):
+                row["vllm_reprefill"] = v
+                row["wallclock_ratio_vs_vllm"] = v["wall_s"] / row["stream"]["wall_s"]
         model_summary = config_summary(load_config(folder))
     ratio = None
     if onsets["full"] and onsets["stream"]:
@@ -222,10 +254,8 @@ def plot_modes(result: dict, stem: Path) -> list[Path]:
             if onset:
                 ax.axvline(onset, color=color, ls="--", alpha=0.6)
     for ax, title in zip(axes, ("episodes / s", "generated tokens / s"), strict=True):
-        ax.set_xlabel(
-            f"concurrent episodes (KV pool {conc['pool_tokens']} tokens; dashed: preemption starts)"
-        )
-        ax.set_title(title)
+        ax.set_xlabel("concurrent episodes (dashed: preemption starts)")
+        ax.set_title(f"{title}, KV pool {conc['pool_tokens']} tokens")
         ax.legend()
     fig.tight_layout()
     conc_png = stem.parent / f"{stem.name}_concurrency.png"
