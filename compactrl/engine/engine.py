@@ -178,6 +178,10 @@ class Engine:
                 else:
                     raise AssertionError(f"session {s.id}: token {j} is live but not in its KV")
 
+    def _idle_residents(self) -> bool:
+        """Idle sessions hold KV: waiting out their grace period (or displacing them) makes room."""
+        return any(not s.busy and s.row is not None and not s.closed for s in self.sessions)
+
     def _displaceable(self, s: Session, now: float) -> bool:
         """An idle resident that has been idle past the grace period (an agent between turns
         comes back soon: displacing it would only make it recompute)."""
@@ -282,8 +286,7 @@ class Engine:
         for s in list(self.active):
             if not s.busy:
                 del self.active[s]
-        waiting = any(not s.busy and s.row is not None and not s.closed for s in self.sessions)
-        if not feeds and not ready and self.active and not waiting:
+        if not feeds and not ready and self.active and not self._idle_residents():
             stuck = ", ".join(s.id for s in self.active)
             raise RuntimeError(f"no progress possible for sessions {stuck}: the KV pool cannot hold them")
         return sum(f.n for f in feeds)

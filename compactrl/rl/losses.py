@@ -1,0 +1,104 @@
+"""Per-token losses and how they are normalised.
+
+Every loss takes per-token tensors over the batch's tokens (a packed row or a concatenation of
+traces) and a ``mask`` of the tokens it applies to, and returns a scalar plus statistics. The
+normalisation is a choice with consequences for long rollouts:
+
+* ``token`` — sum over every masked token of the batch / their number (CompactionRL's
+  token-level normalisation: a token weighs the same whether its rollout is long or short);
+* ``sequence`` — mean over each sequence's tokens, then mean over sequences (GRPO's original:
+  tokens of long rollouts weigh less);
+* ``constant`` — sum / a fixed constant (Dr. GRPO-style: no length bias, batch-size stable).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Norm = Literal["token", "sequence", "constant"]
+
+
+def normalise(per_token: torch.Tensor, mask: torch.Tensor, norm: Norm = "token", seq_ids=None,
+              constant: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Reduce a per-token loss over ``mask`` as ``norm`` says (``seq_ids`` for ``sequence``)."""
+    m = mask.to(per_token.dtype)
+    if norm == "token":
+        return (per_token * m).sum() / m.sum().clamp_min(1)
+    if norm == "constant":
+        if not constant or constant <= 0:
+            raise ValueError("norm='constant' needs constant > 0 (e.g. the max tokens per batch)")
+        return (per_token * m).sum() / constant
+    if norm == "sequence":
+        if seq_ids is None:
+            raise ValueError("norm='sequence' needs seq_ids (the sequence of each token)")
+        ids, inv = torch.unique(seq_ids, return_inverse=True)
+        tot = torch.zeros(len(ids), dtype=per_token.dtype, device=per_token.device).index_add(
+            0, inv, per_token * m
+        )
+        cnt = torch.zeros(len(ids), dtype=per_token.dtype, device=per_token.device).index_add(0, inv, m)
+        has = cnt > 0
+        return (tot[has] / cnt[has]).mean() if has.any() else per_token.sum() * 0
+    raise ValueError(f"norm must be one of token, sequence, constant; got {norm!r}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    max_log_ratio: float | None = None,
+    norm: Norm = "token",
+    seq_ids=None,
+    constant: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped surrogate with the importance ratio to the sampling log-probs (which also
+    corrects rollouts sampled by stale weights). ``max_log_ratio`` drops tokens whose ratio moved
+    further than that from 1 in log space (off-policy outliers) from the loss."""
+    log_ratio = logp - old_logp
+    keep = mask.bool()
+    if max_log_ratio is not None:
+        keep = keep & (log_ratio.detach().abs() <= max_log_ratio)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = normalise(per_token, keep, norm, seq_ids, constant)
+    with torch.no_grad():
+        m = mask.bool()
+        n = m.sum().clamp_min(1)
+        stats = {
+            "clip_fraction": float(((unclipped != clipped) & m).sum() / n),
+            "masked_fraction": float((m & ~keep).sum() / n),
+            "approx_kl": float((((ratio - 1) - log_ratio) * m).sum() / n),  # k3 estimate of KL(old || new)
+        }
+    return loss, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, norm: Norm = "token",
+               seq_ids=None, constant: float | None = None) -> torch.Tensor:  # fmt: skip
+    """k3 estimator of KL(policy || ref) on sampled tokens: exp(ref - logp) - (ref - logp) - 1,
+    unbiased and never negative (Schulman); ``ref_logp`` is the sampling or a reference model's."""
+    d = ref_logp - logp
+    return normalise(torch.exp(d) - d - 1, mask, norm, seq_ids, constant)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.2, norm: Norm = "token", seq_ids=None,
+               constant: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Half squared error to the returns, PPO-clipped around the values at sampling time."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (v_clipped - returns) ** 2)
+    return 0.5 * normalise(err, mask, norm, seq_ids, constant)
+
+
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor, norm: Norm = "token", seq_ids=None,
+             constant: float | None = None) -> torch.Tensor:  # fmt: skip
+    """Negative log-likelihood of the target tokens (SFT; RFT is SFT on the rewarded rollouts)."""
+    return normalise(-logp, mask, norm, seq_ids, constant)
