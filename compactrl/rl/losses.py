@@ -43,6 +43,18 @@ def normalise(per_token: torch.Tensor, mask: torch.Tensor, norm: Norm = "token",
     raise ValueError(f"norm must be one of token, sequence, constant; got {norm!r}")
 
 
+def pg_per_token(logp, old_logp, adv, mask, clip_low: float = 0.2, clip_high: float = 0.2,
+                 max_log_ratio: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """PPO's clipped surrogate per token, and the tokens it applies to: ``mask`` minus those whose
+    importance ratio moved further than ``max_log_ratio`` from 1 in log space."""
+    log_ratio = logp - old_logp
+    keep = mask.bool()
+    if max_log_ratio is not None:
+        keep = keep & (log_ratio.detach().abs() <= max_log_ratio)
+    ratio = torch.exp(log_ratio)
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv), keep
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -56,23 +68,18 @@ def policy_loss(
     seq_ids=None,
     constant: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """PPO's clipped surrogate with the importance ratio to the sampling log-probs (which also
-    corrects rollouts sampled by stale weights). ``max_log_ratio`` drops tokens whose ratio moved
-    further than that from 1 in log space (off-policy outliers) from the loss."""
-    log_ratio = logp - old_logp
-    keep = mask.bool()
-    if max_log_ratio is not None:
-        keep = keep & (log_ratio.detach().abs() <= max_log_ratio)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    """The clipped policy-gradient loss with the importance ratio to the sampling log-probs (which
+    also corrects rollouts sampled by stale weights), reduced as ``norm`` says, with statistics."""
+    per_token, keep = pg_per_token(logp, old_logp, adv, mask, clip_low, clip_high, max_log_ratio)
     loss = normalise(per_token, keep, norm, seq_ids, constant)
     with torch.no_grad():
         m = mask.bool()
         n = m.sum().clamp_min(1)
+        log_ratio = logp - old_logp
+        ratio = torch.exp(log_ratio)
+        out = (ratio < 1 - clip_low) & (adv < 0) | (ratio > 1 + clip_high) & (adv > 0)
         stats = {
-            "clip_fraction": float(((unclipped != clipped) & m).sum() / n),
+            "clip_fraction": float((out & m).sum() / n),
             "masked_fraction": float((m & ~keep).sum() / n),
             "approx_kl": float((((ratio - 1) - log_ratio) * m).sum() / n),  # k3 estimate of KL(old || new)
         }

@@ -1,0 +1,156 @@
+"""One optimizer step on a batch of traces: log-probs, loss, gradient accumulation, AdamW.
+
+A batch is a list of :class:`Sample` (a trace plus per-token advantages). Stream traces are one
+forward each under their eviction masks; re-prefill segments are ordinary traces (one sample per
+segment). Samples are packed into micro-batches of at most ``micro_batch_tokens`` tokens, each
+one forward and one backward; the per-token weights of the chosen normalisation are computed
+over the whole batch first, so accumulating micro-batches gives exactly the full-batch gradient.
+
+Before the update, the trainer's log-probs of the sampled tokens are compared with the engine's
+sampling log-probs: ``mismatch_kl`` (k3 estimate of KL(sampler || trainer)) and
+``mismatch_max_abs`` are ~0 in float32 stream mode, and grow with weight staleness.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from compactrl.masks import pack_greedy
+from compactrl.models.decoder import CausalLM
+from compactrl.rl.forward import Backend, stream_logprobs
+from compactrl.rl.losses import Norm, pg_per_token
+from compactrl.trace import Trace
+
+
+class TrainSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss: Literal["pg", "sft"] = "pg"
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm (None: no clipping)")
+    micro_batch_tokens: int = Field(8192, ge=1, description="tokens per forward/backward")
+    norm: Norm = "token"
+    norm_constant: float | None = Field(None, gt=0, description="the constant of norm = 'constant'")
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
+    kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
+    backend: Backend = "chunked"
+
+
+@dataclass
+class Sample:
+    trace: Trace
+    advantages: np.ndarray  # float [T]; used where the trace is trainable
+    sequence: int = 0  # the rollout it belongs to (segments of one rollout share it)
+
+
+def token_weights(samples: list[Sample], norm: Norm, constant: float | None = None) -> list[np.ndarray]:
+    """Per-token weights of the batch loss ``sum(w * loss_token)`` for each normalisation."""
+    masks = [s.trace.trainable.astype(np.float64) for s in samples]
+    if norm == "token":
+        total = max(sum(m.sum() for m in masks), 1.0)
+        return [m / total for m in masks]
+    if norm == "constant":
+        if not constant:
+            raise ValueError("norm = 'constant' needs norm_constant > 0")
+        return [m / constant for m in masks]
+    if norm == "sequence":
+        per_seq: dict[int, float] = {}
+        for s, m in zip(samples, masks, strict=True):
+            per_seq[s.sequence] = per_seq.get(s.sequence, 0.0) + m.sum()
+        live = [k for k, n in per_seq.items() if n > 0]
+        return [m / (per_seq[s.sequence] * len(live)) if per_seq[s.sequence] else m
+                for s, m in zip(samples, masks, strict=True)]  # fmt: skip
+    raise ValueError(f"norm must be one of token, sequence, constant; got {norm!r}")
+
+
+class Trainer:
+    def __init__(self, model: CausalLM, settings: TrainSettings):
+        self.model, self.settings = model, settings
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=settings.lr,
+            betas=(settings.beta1, settings.beta2),
+            weight_decay=settings.weight_decay,
+        )
+
+    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        return pack_greedy([s.trace for s in samples], self.settings.micro_batch_tokens)
+
+    def step(self, samples: list[Sample]) -> dict:
+        """One optimizer step; returns loss, gradient norm and diagnostics."""
+        t0 = time.perf_counter()
+        stats = self.backward(samples)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.settings.grad_clip:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        self.optimizer.step()
+        return stats | {"grad_norm": float(norm), "train_s": time.perf_counter() - t0}
+
+    def backward(self, samples: list[Sample]) -> dict:
+        """Accumulate the batch's gradient (micro-batch by micro-batch) into ``.grad``."""
+        if not samples:
+            raise ValueError("a training step needs at least one sample")
+        s = self.settings
+        self.model.train()
+        weights = token_weights(samples, s.norm, s.norm_constant)
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, n_tok, clipped, masked, kl_sum, max_abs = 0.0, 0, 0.0, 0.0, 0.0, 0.0
+        for mb in self.micro_batches(samples):
+            traces = [samples[k].trace for k in mb]
+            logps = stream_logprobs(
+                self.model, traces, backend=s.backend, max_row_tokens=s.micro_batch_tokens
+            )
+            loss = logps[0].new_zeros(())
+            for k, lp in zip(mb, logps, strict=True):
+                t = samples[k].trace
+                m = torch.as_tensor(t.trainable)
+                if not m.any():
+                    continue
+                w = torch.as_tensor(weights[k], dtype=lp.dtype)
+                old = torch.as_tensor(np.nan_to_num(t.logprobs), dtype=lp.dtype)
+                if s.loss == "sft":
+                    per_token, keep, adv = -lp, m, torch.zeros_like(lp)
+                else:
+                    adv = torch.as_tensor(samples[k].advantages, dtype=lp.dtype)
+                    per_token, keep = pg_per_token(lp, old, adv, m, s.clip_low, s.clip_high, s.max_log_ratio)
+                loss = loss + (per_token * w * keep).sum()
+                d = (old - lp)[m]
+                k3 = torch.exp(-d) + d - 1  # KL(sampler || trainer), k3 estimate, per token
+                if s.kl_sampling:
+                    loss = loss + s.kl_sampling * (k3 * w[m]).sum()
+                with torch.no_grad():
+                    n_tok += int(m.sum())
+                    kl_sum += float(k3.sum())
+                    max_abs = max(max_abs, float(d.abs().max()))
+                    ratio = torch.exp(lp - old)[m]
+                    a = adv[m]
+                    out = ((ratio < 1 - s.clip_low) & (a < 0)) | ((ratio > 1 + s.clip_high) & (a > 0))
+                    clipped += float(out.sum())
+                    masked += float((m & ~keep).sum())
+            if loss.requires_grad:
+                loss.backward()
+            total_loss += float(loss.detach())
+        self.model.eval()
+        n = max(n_tok, 1)
+        return {
+            "loss": total_loss,
+            "trained_tokens": n_tok,
+            "mismatch_kl": kl_sum / n,
+            "mismatch_max_abs": max_abs,
+            "clip_fraction": clipped / n,
+            "masked_fraction": masked / n,
+        }
