@@ -128,15 +128,19 @@ class Episode:
         self.session = self.engine.session(self.rollout_id)
         self.origin_log.append([])
 
-    def _add(self, owner: int, tokens: list[int], role: str, origins: range | None = None) -> None:
-        """Append tokens to the current session (new ones get fresh origin ids)."""
+    def _record(self, owner: int, tokens: list[int], start: int, origins: range | None = None) -> None:
+        """Note tokens that now sit at ``start`` in the current session (new ones get fresh origins)."""
         if origins is None:
             origins = range(self.origin, self.origin + len(tokens))
             self.origin += len(tokens)
-        start = len(self.session.tokens)
-        self.session.append(tokens, role=role)
         self.pieces.append(_Piece(owner, list(tokens), origins, start))
         self.origin_log[-1].extend(origins)
+
+    def _add(self, owner: int, tokens: list[int], role: str, origins: range | None = None) -> None:
+        """Append tokens to the current session."""
+        start = len(self.session.tokens)
+        self.session.append(tokens, role=role)
+        self._record(owner, tokens, start, origins)
 
     async def _generate(self, owner: int, role: str, max_tokens: int) -> list[int]:
         """Header, generation, close; returns the generated ids."""
@@ -151,10 +155,7 @@ class Episode:
         start = len(self.session.tokens)
         gen = await self.session.agenerate(params, role=role)
         toks = list(gen.tokens)
-        origins = range(self.origin, self.origin + len(toks))
-        self.pieces.append(_Piece(owner, toks, origins, start))
-        self.origin_log[-1].extend(origins)
-        self.origin += len(toks)
+        self._record(owner, toks, start)
         close = self.fmt.close(toks)
         self._add(owner, close, role)
         self.result.generated_tokens += len(toks)

