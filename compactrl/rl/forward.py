@@ -32,21 +32,8 @@ def _row_mask(evict_at: torch.Tensor, backend: Backend, chunk: int):
     raise ValueError(f"unknown attention backend {backend!r}; use 'chunked', 'dense' or 'flex'")
 
 
-def stream_logprobs(
-    model: CausalLM,
-    traces: list[Trace],
-    *,
-    backend: Backend = "chunked",
-    chunk: int = 256,
-    max_row_tokens: int | None = None,
-    logits_chunk: int = 1024,
-) -> list[torch.Tensor]:
-    """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
-
-    One forward per row: each trace alone, or several packed into rows of at most
-    ``max_row_tokens`` tokens. ``chunked`` costs T x live-context and has a CPU backward;
-    ``flex`` is the CUDA path (forward-only on CPU); ``dense`` is the T^2 reference.
-    """
+def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, max_row_tokens: int | None):
+    """Validate, pack, and yield ``(trace indices, packed row, final hidden states)`` per row."""
     device = next(model.parameters()).device
     cfg = model.config
     for t in traces:
@@ -59,20 +46,48 @@ def stream_logprobs(
     rows = (
         [[k] for k in range(len(traces))] if max_row_tokens is None else pack_greedy(traces, max_row_tokens)
     )
-    out: list[torch.Tensor | None] = [None] * len(traces)
     for row in rows:
         packed = pack([traces[k] for k in row], device)
         mask = _row_mask(packed.evict_at, backend, chunk)
-        hidden = model.hidden_states(packed.tokens, packed.positions, mask)[0]
+        yield row, packed, model.hidden_states(packed.tokens, packed.positions, mask)[0]
+
+
+def stream_logprobs(
+    model: CausalLM,
+    traces: list[Trace],
+    *,
+    backend: Backend = "chunked",
+    chunk: int = 256,
+    max_row_tokens: int | None = None,
+    logits_chunk: int = 1024,
+    value_head: torch.nn.Module | None = None,
+) -> list[torch.Tensor]:
+    """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
+
+    One forward per row: each trace alone, or several packed into rows of at most
+    ``max_row_tokens`` tokens. ``chunked`` costs T x live-context and has a CPU backward;
+    ``flex`` is the CUDA path (forward-only on CPU); ``dense`` is the T^2 reference.
+    With a ``value_head`` (the critic on the shared backbone) it returns ``(logprobs, values)``,
+    ``values[k][i]`` being the value of the state in which token ``i`` was chosen.
+    """
+    out: list[torch.Tensor | None] = [None] * len(traces)
+    values: list[torch.Tensor | None] = [None] * len(traces)
+    for row, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens):
         sel_h, sel_t = [], []
         for s, n in zip(packed.starts, packed.lengths, strict=True):
             sel_h.append(hidden[s : s + n - 1])
             sel_t.append(packed.tokens[s + 1 : s + n])
-        lp = token_logprobs(model, torch.cat(sel_h), torch.cat(sel_t), chunk=logits_chunk)
+        h = torch.cat(sel_h)
+        lp = token_logprobs(model, h, torch.cat(sel_t), chunk=logits_chunk)
+        v = value_head(h).float() if value_head is not None else None
         offset = 0
         for k, n in zip(row, packed.lengths, strict=True):
             out[k] = torch.cat([lp.new_zeros(1), lp[offset : offset + n - 1]])
+            if v is not None:
+                values[k] = torch.cat([v.new_zeros(1), v[offset : offset + n - 1]])
             offset += n - 1
+    if value_head is not None:
+        return out, values  # type: ignore[return-value]
     return out  # type: ignore[return-value]
 
 
