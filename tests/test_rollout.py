@@ -212,6 +212,8 @@ def test_bad_configs_name_the_field(tmp_path):
     bad.write_text("[env]\nname = 'rooms'\nn_room = 3\n")
     with pytest.raises(ConfigError, match="n_room"):
         load_config(RolloutConfig, bad)
+    with pytest.raises(ConfigError, match="model.path.*no config.json"):
+        load_config(RolloutConfig, None, [f"model.path={tmp_path}"])
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(RolloutConfig, None, ["episodes"])
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import Episode, EpisodeResult, RolloutSettings
@@ -39,6 +39,13 @@ class ModelSource(BaseModel):
     size: Literal["tiny", "small", "base"] = "tiny"
     seed: int = 0
     dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str | None) -> str | None:
+        if v is not None and not (Path(v).expanduser() / "config.json").is_file():
+            raise ValueError(f"{v} has no config.json; point at a Hugging Face model folder or unset it")
+        return v
 
 
 class RolloutConfig(BaseModel):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.envs.base import Env, EnvError, Reset, Step, guarded
 from compactrl.envs.recall import VARIANTS, RecallEnv
@@ -39,6 +40,12 @@ class TextWorldConfig(_Config):
     settings: dict[str, Any] = {}
     cache_dir: str = "~/.cache/compactrl/textworld"
     list_commands: bool = True
+
+    @model_validator(mode="after")
+    def _installed(self):
+        if importlib.util.find_spec("textworld") is None:
+            raise ValueError("the textworld env needs its package: pip install 'compactrl[textworld]'")
+        return self
 
 
 EnvConfig = Annotated[RecallConfig | RoomsConfig | TextWorldConfig, Field(discriminator="name")]
