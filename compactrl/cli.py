@@ -100,6 +100,36 @@ def rollout_cmd(
     out.print(table)
 
 
+@app.command("train")
+def train_cmd(
+    config: Annotated[Path | None, typer.Argument(help="TOML config (default: built-in defaults).")] = None,
+    overrides: SetOption = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the run's newest checkpoint.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Train a policy on multi-turn episodes with compaction (sample -> train -> repeat)."""
+    from compactrl.rl.loop import TrainConfig, train
+
+    cfg = load_run_config(TrainConfig, config, overrides)
+
+    def show(m: dict) -> None:
+        if not as_json:
+            out.print(
+                f"step {m['step']:>4}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
+                f"mismatch_kl {m['mismatch_kl']:.1e}  gen {m['generate_s']:.1f}s  train {m['train_s']:.1f}s"
+            )
+
+    try:
+        with progress_bar("train") as progress:
+            last = train(cfg, resume=resume, progress=progress, on_step=show)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        emit_json(last)
+    else:
+        out.print(f"run directory: {cfg.out} (metrics.jsonl, checkpoints/)")
+
+
 @app.command("cost")
 def cost_cmd(
     n: Annotated[int, typer.Option("--n", help="Tokens in the rollout (N).")] = 32768,

@@ -92,15 +92,20 @@ async def run_episodes(
     seeds: list[int],
     concurrency: int,
     advance: Callable[[], None] = lambda: None,
+    sample_seeds: list[int] | None = None,
 ) -> list[EpisodeResult]:
-    """Run one episode per seed, ``concurrency`` at a time; results in seed order."""
+    """Run one episode per seed, ``concurrency`` at a time; results in seed order. ``sample_seeds``
+    (default: the env seeds) seed the sampling, so a group of rollouts can share an env seed."""
+    sample_seeds = seeds if sample_seeds is None else sample_seeds
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int, seed: int) -> EpisodeResult:
         async with gate:
             env = make()
             try:
-                return await Episode(engine, fmt, env, strategy, mode, settings, seed, i).run()
+                return await Episode(
+                    engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i]
+                ).run()
             finally:
                 try:
                     env.close()

@@ -102,15 +102,17 @@ class Episode:
         settings: RolloutSettings,
         seed: int,
         episode: int = 0,
+        sample_seed: int | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
         self.engine, self.fmt, self.env, self.settings = engine, fmt, env, settings
         self.strategy = None if mode == "full" else strategy
         self.mode, self.seed = mode, seed
+        self.sample_seed = seed if sample_seed is None else sample_seed  # a group: one env seed, many
         name = strategy.name if strategy and mode != "full" else "none"
         self.result = EpisodeResult(episode, seed, env.name, mode, name)
-        self.rollout_id = f"{env.name}-{seed}-{mode}-{name}"
+        self.rollout_id = f"{env.name}-{seed}-{self.sample_seed}-{mode}-{name}"
         self.pieces: list[_Piece] = []
         self.kinds: dict[int, str] = {}  # live step id -> "step" | "summary"
         self.sessions = []
@@ -149,7 +151,7 @@ class Episode:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             stop_token_ids=[] if s.ignore_eos else list(self.fmt.stop_ids), ignore_eos=s.ignore_eos,
-            seed=self.seed * 100_003 + self.messages,
+            seed=self.sample_seed * 100_003 + self.messages,
         )  # fmt: skip
         self.messages += 1
         start = len(self.session.tokens)

@@ -45,6 +45,7 @@ class FusedProjection:
         ps += [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if a.q_proj.bias is not None else []
         return ps + ([a.q_norm.weight, a.k_norm.weight] if a.qk_norm else [])
 
+    @torch.inference_mode(False)  # may run inside the engine's step; the buffer must stay trainable
     def _repack(self) -> None:
         a = self.attn
         self.weight = _pack([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.envs.base import Env, EnvError, Reset, Step, guarded
+from compactrl.envs.count import CountEnv
 from compactrl.envs.recall import VARIANTS, RecallEnv
 from compactrl.envs.rooms import RoomsEnv
 from compactrl.envs.textworld_env import CHALLENGES, TextWorldEnv
@@ -24,6 +25,12 @@ class RecallConfig(_Config):
     k: int = Field(64, ge=16, le=512, description="integer tokens decoded between assignment and question")
     variant: Literal[VARIANTS] = "fruit"  # type: ignore[valid-type]
     answer_tokens: int = Field(16, ge=1)
+
+
+class CountConfig(_Config):
+    name: Literal["count"] = "count"
+    turns: int = Field(6, ge=1)
+    action_tokens: int = Field(4, ge=1)
 
 
 class RoomsConfig(_Config):
@@ -48,9 +55,10 @@ class TextWorldConfig(_Config):
         return self
 
 
-EnvConfig = Annotated[RecallConfig | RoomsConfig | TextWorldConfig, Field(discriminator="name")]
+EnvConfig = Annotated[CountConfig | RecallConfig | RoomsConfig | TextWorldConfig, Field(discriminator="name")]
 
 
 def make_env(cfg) -> Env:
     args = cfg.model_dump(exclude={"name"})
-    return {"recall": RecallEnv, "rooms": RoomsEnv, "textworld": TextWorldEnv}[cfg.name](**args)
+    envs = {"count": CountEnv, "recall": RecallEnv, "rooms": RoomsEnv, "textworld": TextWorldEnv}
+    return envs[cfg.name](**args)

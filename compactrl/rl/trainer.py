@@ -134,7 +134,8 @@ class Trainer:
                     loss = loss + s.kl_sampling * (k3 * w[m]).sum()
                 with torch.no_grad():
                     n_tok += int(m.sum())
-                    kl_sum += float(k3.sum())
+                    dd = d.double()  # float64: float32 rounding makes tiny k3 values negative
+                    kl_sum += float((torch.exp(-dd) + dd - 1).sum())
                     max_abs = max(max_abs, float(d.abs().max()))
                     ratio = torch.exp(lp - old)[m]
                     a = adv[m]

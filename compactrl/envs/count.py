@@ -1,0 +1,46 @@
+"""The quickstart task: continue a count, one number per turn.
+
+Each turn shows the last number and the agent answers with the next one. The reward of a turn
+is 1 for the exact next number, else half the share of digit characters in the answer: shaped
+so that a random tiny model gets a signal at once (it first learns to answer with digits, then
+to count). Rewards are divided by the number of turns, so an episode scores in [0, 1]. The
+episode has a fixed number of turns, enough for a sliding window to compact it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from compactrl.envs.base import Reset, Step
+
+
+class CountEnv:
+    name = "count"
+
+    def __init__(self, turns: int = 6, action_tokens: int = 4):
+        if turns < 1 or action_tokens < 1:
+            raise ValueError(f"count needs turns >= 1 and action_tokens >= 1, got {turns}, {action_tokens}")
+        self.turns, self.action_tokens = turns, action_tokens
+        self.n: int | None = None
+
+    def reset(self, seed: int) -> Reset:
+        self.n = random.Random(seed).randint(1, 50)
+        self.t = 0
+        task = "Count upward. Each turn, reply with only the next number."
+        return Reset(task=task, observation=str(self.n), max_tokens=self.action_tokens)
+
+    def step(self, action: str) -> Step:
+        if self.n is None:
+            raise RuntimeError("call reset() before step()")
+        text = action.strip()
+        exact = text == str(self.n + 1)
+        digits = sum(c.isdigit() for c in text) / max(len(text), 1)
+        reward = (1.0 if exact else 0.5 * digits) / self.turns
+        self.n += 1
+        self.t += 1
+        done = self.t >= self.turns
+        return Step("" if done else str(self.n), reward=reward, done=done, max_tokens=self.action_tokens,
+                    info={"exact": exact})  # fmt: skip
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,156 @@
+"""`compactrl train CONFIG`: sample with the engine, train, repeat — on one shared model.
+
+Each step runs ``prompts`` env seeds x ``group_size`` rollouts (one group per seed, different
+sampling seeds) through the engine with the config's strategy and mode, turns episode rewards
+into advantages (``group``: GRPO; ``loo``: leave-one-out with an optional chance-level
+fallback), broadcasts each rollout's advantage to all its trainable tokens (every segment of a
+re-prefill rollout), and takes one optimizer step. The engine and the trainer share the model
+object, so the update reaches the engine in place with nothing to copy (the engine's fused
+projection reads views of the same parameters); sampling is synchronous, so rollouts are never
+stale (off-policy lag 0). Metrics go to ``metrics.jsonl`` (and TensorBoard when installed);
+checkpoints go to ``checkpoints/`` and ``--resume`` continues from the newest exactly: the data
+of step N depends only on N and the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from compactrl.agent.batch import ModelSource, load_engine, run_episodes
+from compactrl.agent.chat import ChatFormat
+from compactrl.agent.rollout import RolloutSettings
+from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
+from compactrl.engine import EngineConfig
+from compactrl.envs import CountConfig, EnvConfig, make_env
+from compactrl.rl.advantages import group_advantages, loo_advantages
+from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from compactrl.rl.trainer import Sample, Trainer, TrainSettings
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelSource = ModelSource()
+    engine: EngineConfig = EngineConfig()
+    env: EnvConfig = CountConfig()
+    strategy: StrategyConfig = SlidingWindow(max_turns=3)
+    mode: Literal["full", "reprefill", "stream"] = "stream"
+    rollout: RolloutSettings = RolloutSettings(max_tokens=4)
+    train: TrainSettings = TrainSettings(lr=3e-3)
+    steps: int = Field(40, ge=1)
+    prompts: int = Field(4, ge=1, description="env seeds per step")
+    group_size: int = Field(4, ge=1, description="rollouts per env seed")
+    advantage: Literal["group", "loo"] = "group"
+    normalize_std: bool = True
+    chance: float | None = Field(None, ge=0, le=1, description="loo: score all-equal batches against this")
+    checkpoint_every: int = Field(10, ge=1)
+    seed: int = 0
+    threads: int = Field(1, ge=1)
+    out: str = "runs/train"
+
+
+def _advantages(cfg: TrainConfig, rewards: np.ndarray) -> np.ndarray:
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    if cfg.advantage == "loo":
+        return loo_advantages(r, cfg.chance).numpy()
+    groups = torch.arange(len(r)) // cfg.group_size
+    return group_advantages(r, groups, cfg.normalize_std).numpy()
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # TensorBoard is optional
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -> dict:
+    """Run (or resume) training; returns the last step's metrics."""
+    torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = run_dir / "config.json"
+    if resume and saved.exists() and json.loads(saved.read_text()) != json.loads(cfg.model_dump_json()):
+        raise ValueError(
+            f"--resume with a config that differs from {saved}; resume with the run's own config"
+        )
+    saved.write_text(cfg.model_dump_json(indent=2) + "\n")
+    engine = load_engine(cfg.model, cfg.engine, run_dir)
+    model = engine.model
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    strategy = build_strategy(cfg.strategy)
+    trainer = Trainer(model, cfg.train)
+    start = 0
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        start = load_checkpoint(ckpt, model, trainer.optimizer)["step"]
+    metrics_path = run_dir / "metrics.jsonl"
+    if metrics_path.exists():  # keep only the steps the checkpoint covers
+        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+    writer = _tensorboard(run_dir)
+    advance = progress(cfg.steps - start) if progress else (lambda: None)
+    last: dict = {}
+    for step in range(start + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+        seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
+        sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
+        results = asyncio.run(
+            run_episodes(
+                engine,
+                fmt,
+                lambda: make_env(cfg.env),
+                strategy,
+                cfg.mode,
+                cfg.rollout,
+                seeds,
+                len(seeds),
+                sample_seeds=sample_seeds,
+            )  # fmt: skip
+        )
+        t1 = time.perf_counter()
+        rewards = np.array([r.reward for r in results])
+        adv = _advantages(cfg, rewards)
+        samples = [Sample(t, np.full(len(t), a, np.float32), i)
+                   for i, (r, a) in enumerate(zip(results, adv, strict=True)) for t in r.traces]  # fmt: skip
+        stats = trainer.step(samples)
+        engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
+        last = {
+            "step": step,
+            "reward": float(rewards.mean()),
+            "reward_max": float(rewards.max()),
+            "errors": sum(r.error is not None for r in results),
+            "turns": float(np.mean([r.turns for r in results])),
+            "tokens": float(np.mean([r.tokens for r in results])),
+            "compactions": float(np.mean([r.compactions for r in results])),
+            "reprefilled_tokens": float(np.mean([r.reprefilled_tokens for r in results])),
+            **{k: v for k, v in stats.items() if k != "train_s"},
+            "generate_s": t1 - t0,
+            "train_s": stats["train_s"],
+            "sync_s": 0.0,  # shared model: the engine reads the updated parameters in place
+        }
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(last) + "\n")
+        if writer is not None:
+            for k, v in last.items():
+                writer.add_scalar(k, v, step)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step})
+        if on_step is not None:
+            on_step(last)
+        advance()
+    if writer is not None:
+        writer.close()
+    return last
