@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from compactrl.config import load_config
+from compactrl.config import ConfigError, load_config
 from compactrl.models.loading import load_model
 from compactrl.rl.loop import TrainConfig, train
 
@@ -61,3 +61,5 @@ def test_resume_refuses_a_changed_config_or_a_missing_checkpoint(tmp_path):
     )
     with pytest.raises(ValueError, match="differs"):
         train(other, resume=True)
+    with pytest.raises(ConfigError, match="temperature = 1"):
+        load_config(TrainConfig, None, ["rollout.temperature=0.7"])

@@ -1,14 +1,16 @@
 """The quickstart task: continue a count, one number per turn.
 
 Each turn shows the last number and the agent answers with the next one. The reward of a turn
-is 1 for the exact next number, else half the share of digit characters in the answer: shaped
-so that a random tiny model gets a signal at once (it first learns to answer with digits, then
-to count). Rewards are divided by the number of turns, so an episode scores in [0, 1]. The
+is 1 for the exact next number, else half the share of digit characters in the answer plus
+0.4 times its string similarity to the right answer (difflib's ratio). Shaped so that a random
+tiny model gets a signal at once: it first learns to answer with digits, then with the right
+digits, then to count. Rewards are divided by the number of turns, so an episode scores in [0, 1]. The
 episode has a fixed number of turns, enough for a sliding window to compact it.
 """
 
 from __future__ import annotations
 
+import difflib
 import random
 
 from compactrl.envs.base import Reset, Step
@@ -33,9 +35,11 @@ class CountEnv:
         if self.n is None:
             raise RuntimeError("call reset() before step()")
         text = action.strip()
-        exact = text == str(self.n + 1)
+        target = str(self.n + 1)
+        exact = text == target
         digits = sum(c.isdigit() for c in text) / max(len(text), 1)
-        reward = (1.0 if exact else 0.5 * digits) / self.turns
+        reward = 1.0 if exact else 0.5 * digits + 0.4 * difflib.SequenceMatcher(None, text, target).ratio()
+        reward /= self.turns
         self.n += 1
         self.t += 1
         done = self.t >= self.turns

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.agent.batch import ModelSource, load_engine, run_episodes
 from compactrl.agent.chat import ChatFormat
@@ -55,6 +55,16 @@ class TrainConfig(BaseModel):
     seed: int = 0
     threads: int = Field(1, ge=1)
     out: str = "runs/train"
+
+    @model_validator(mode="after")
+    def _untempered(self):
+        r = self.rollout
+        if r.temperature != 1.0 or r.top_p < 1.0 or r.top_k > 0:
+            raise ValueError(
+                "training needs rollouts sampled from the model's own distribution (rollout.temperature = 1, "
+                "top_p = 1, top_k = 0): the trainer's log-probs are untempered and untruncated"
+            )
+        return self
 
 
 def _advantages(cfg: TrainConfig, rewards: np.ndarray) -> np.ndarray:
