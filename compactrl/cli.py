@@ -130,6 +130,36 @@ def train_cmd(
         out.print(f"run directory: {cfg.out} (metrics.jsonl, checkpoints/)")
 
 
+@app.command("eval")
+def eval_cmd(
+    config: Annotated[Path | None, typer.Argument(help="The run's TOML config.")] = None,
+    overrides: SetOption = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A checkpoints/step_* folder (default: the run's initial model).")
+    ] = None,
+    episodes: Annotated[int, typer.Option(help="Held-out episodes (seeds disjoint from training).")] = 32,
+    greedy: Annotated[bool, typer.Option(help="Decode greedily instead of sampling.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Evaluate a policy on held-out episodes without training."""
+    from compactrl.rl.loop import TrainConfig, evaluate
+
+    cfg = load_run_config(TrainConfig, config, overrides)
+    if episodes < 1:
+        fail("--episodes must be >= 1")
+    try:
+        result = evaluate(cfg, checkpoint, episodes, greedy)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(
+            f"{result['episodes']} episodes: mean reward {result['mean_reward']:.3f}, "
+            f"success {result['success_rate']:.1%}, errors {result['errors']}"
+        )
+
+
 @app.command("cost")
 def cost_cmd(
     n: Annotated[int, typer.Option("--n", help="Tokens in the rollout (N).")] = 32768,

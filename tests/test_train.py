@@ -7,7 +7,8 @@ import torch
 
 from compactrl.config import ConfigError, load_config
 from compactrl.models.loading import load_model
-from compactrl.rl.loop import TrainConfig, train
+from compactrl.rl.checkpoint import latest_checkpoint
+from compactrl.rl.loop import TrainConfig, evaluate, train
 
 QUICK = ["steps=8", "prompts=2", "group_size=4", "checkpoint_every=2"]
 
@@ -20,7 +21,10 @@ def test_quickstart_reward_rises(tmp_path):
     assert last["reward"] > rows[0]["reward"] + 0.2  # it learns to answer with digits
     assert all(r["errors"] == 0 and r["compactions"] > 0 for r in rows)
     assert max(r["mismatch_kl"] for r in rows) < 1e-6  # engine and trainer agree (float32, stream)
-    assert (tmp_path / "checkpoints").is_dir()
+    before = evaluate(cfg, None, episodes=8)  # held-out seeds, the untrained model
+    after = evaluate(cfg, latest_checkpoint(tmp_path), episodes=8)
+    assert after["mean_reward"] > before["mean_reward"] + 0.2 and after["errors"] == 0
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 8
 
 
 class Crash(Exception):

@@ -164,3 +164,53 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     if writer is not None:
         writer.close()
     return last
+
+
+def evaluate(
+    cfg: TrainConfig, checkpoint: str | Path | None = None, episodes: int = 32, greedy: bool = False
+) -> dict:
+    """Run ``episodes`` held-out episodes (env seeds disjoint from training's) with the run's
+    model or a checkpoint's, without training; writes ``eval.jsonl`` into the run directory."""
+    from compactrl.engine import Engine
+    from compactrl.models.loading import load_model
+    from compactrl.models.tokenizer import Tokenizer
+
+    torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.out)
+    base = load_engine(cfg.model, cfg.engine, run_dir)
+    engine = base
+    if checkpoint is not None:
+        folder = Path(checkpoint) / "model"
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{checkpoint} has no model/config.json; pass a checkpoints/step_* folder"
+            )
+        model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+        engine = Engine(load_model(folder, dtype=cfg.model.dtype), Tokenizer.from_dir(model_dir), cfg.engine)
+    settings = cfg.rollout.model_copy(update={"temperature": 0.0}) if greedy else cfg.rollout
+    seeds = [1_000_000_000 + cfg.seed + i for i in range(episodes)]  # never a training seed
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    results = asyncio.run(
+        run_episodes(
+            engine,
+            fmt,
+            lambda: make_env(cfg.env),
+            build_strategy(cfg.strategy),
+            cfg.mode,
+            settings,
+            seeds,
+            episodes,
+        )  # fmt: skip
+    )
+    with open(run_dir / "eval.jsonl", "w") as f:
+        for r in results:
+            f.write(json.dumps(r.metrics()) + "\n")
+    rewards = np.array([r.reward for r in results])
+    return {
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "episodes": episodes,
+        "greedy": greedy,
+        "mean_reward": float(rewards.mean()),
+        "success_rate": float((rewards >= 1.0).mean()),
+        "errors": sum(r.error is not None for r in results),
+    }
