@@ -166,7 +166,7 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
             seeds,
             cfg.concurrency,
             advance,
-        )  # fmt: skip
+        )
     )
     wall = time.perf_counter() - t0
     with open(run_dir / "episodes.jsonl", "w") as f:

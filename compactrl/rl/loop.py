@@ -128,7 +128,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
                 seeds,
                 len(seeds),
                 sample_seeds=sample_seeds,
-            )  # fmt: skip
+            )
         )
         t1 = time.perf_counter()
         rewards = np.array([r.reward for r in results])
@@ -200,7 +200,7 @@ def evaluate(
             settings,
             seeds,
             episodes,
-        )  # fmt: skip
+        )
     )
     with open(run_dir / "eval.jsonl", "w") as f:
         for r in results:
