@@ -67,3 +67,21 @@ def test_resume_refuses_a_changed_config_or_a_missing_checkpoint(tmp_path):
         train(other, resume=True)
     with pytest.raises(ConfigError, match="temperature = 1"):
         load_config(TrainConfig, None, ["rollout.temperature=0.7"])
+
+
+@pytest.mark.parametrize("mode", ["stream", "reprefill"])
+def test_ppo_with_the_critic_learns_in_both_modes(tmp_path, mode):
+    """GAE over each whole rollout (cross-segment in re-prefill mode) with the value head."""
+    cfg = load_config(
+        TrainConfig,
+        "configs/quickstart.toml",
+        [f"out={tmp_path}", "steps=8", "advantage=gae", f"mode={mode}"],
+    )
+    rows = []
+    train(cfg, on_step=rows.append)
+    assert rows[-1]["reward"] > rows[0]["reward"] + 0.2
+    assert any(r["value_loss"] > 0 for r in rows) and all(r["errors"] == 0 for r in rows)
+    if mode == "reprefill":
+        assert all(r["reprefilled_tokens"] > 0 for r in rows)
+    ckpt = latest_checkpoint(tmp_path)
+    assert (ckpt / "value_head.safetensors").is_file()  # the critic is checkpointed with the policy

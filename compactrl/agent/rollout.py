@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.agent.chat import ChatFormat
@@ -84,11 +85,19 @@ class EpisodeResult:
     error: str | None = None
     wall_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    step_rewards: list[tuple[int, int, float]] = field(default_factory=list)  # (trace, token, reward)
     traces: list[Trace] = field(default_factory=list, repr=False)
 
     def metrics(self) -> dict[str, Any]:
         """Everything but the traces (one JSON line per episode)."""
         return {k: v for k, v in self.__dict__.items() if k != "traces"}
+
+    def token_rewards(self) -> list[np.ndarray]:
+        """Per trace, each step's reward on the last token of the action it rewards."""
+        out = [np.zeros(len(t), np.float32) for t in self.traces]
+        for k, i, reward in self.step_rewards:
+            out[k][i] += reward
+        return out
 
 
 class Episode:
@@ -239,11 +248,13 @@ class Episode:
             while True:
                 sid = self._new_step("step")
                 action_ids = await self._generate(sid, "assistant", hint or s.max_tokens)
+                last_token = len(self.session.tokens) - len(fmt.close(action_ids)) - 1  # the action's end
                 r.turns += 1
                 since += 1
                 action = fmt.text(action_ids)
                 out = await guarded(self.env, "step", action, s.env_timeout_s)
                 r.reward += out.reward
+                r.step_rewards.append((len(self.sessions), last_token, float(out.reward)))
                 r.info = out.info
                 if out.done:
                     break

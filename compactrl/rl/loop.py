@@ -30,8 +30,10 @@ from compactrl.agent.rollout import RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
-from compactrl.rl.advantages import group_advantages, loo_advantages
+from compactrl.rl.advantages import cross_segment_gae, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from compactrl.rl.critic import ValueHead
+from compactrl.rl.forward import stream_logprobs
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
 
 
@@ -48,7 +50,10 @@ class TrainConfig(BaseModel):
     steps: int = Field(40, ge=1)
     prompts: int = Field(4, ge=1, description="env seeds per step")
     group_size: int = Field(4, ge=1, description="rollouts per env seed")
-    advantage: Literal["group", "loo"] = "group"
+    advantage: Literal["group", "loo", "gae"] = "group"
+    gamma: float = Field(1.0, ge=0, le=1, description="gae: discount per action token")
+    lam: float = Field(0.95, ge=0, le=1, description="gae: lambda")
+    gae_form: Literal["exact", "parallel"] = Field("exact", description="gae across re-prefill segments")
     normalize_std: bool = True
     chance: float | None = Field(None, ge=0, le=1, description="loo: score all-equal batches against this")
     checkpoint_every: int = Field(10, ge=1)
@@ -75,6 +80,28 @@ def _advantages(cfg: TrainConfig, rewards: np.ndarray) -> np.ndarray:
     return group_advantages(r, groups, cfg.normalize_std).numpy()
 
 
+def _gae_samples(cfg: TrainConfig, model, head: ValueHead, results) -> list[Sample]:
+    """PPO samples: per-step rewards on action tokens, the critic's values from the one-pass
+    forward, and GAE across the whole rollout (cross-segment for re-prefill segments)."""
+    samples = []
+    for i, r in enumerate(results):
+        with torch.no_grad():
+            _, values = stream_logprobs(model, r.traces, value_head=head)
+        segs = [
+            (torch.from_numpy(rw), v.float(), torch.as_tensor(t.trainable))
+            for rw, v, t in zip(r.token_rewards(), values, r.traces, strict=True)
+        ]
+        gaes = cross_segment_gae(segs, cfg.gamma, cfg.lam, cfg.gae_form)
+        for t, (adv, ret), v in zip(r.traces, gaes, values, strict=True):
+            samples.append(Sample(t, adv.numpy(), i, ret.numpy(), v.numpy()))
+    if cfg.normalize_std:  # the usual PPO advantage whitening, over the batch's action tokens
+        flat = np.concatenate([s.advantages[s.trace.trainable] for s in samples])
+        mean, std = flat.mean(), flat.std() + 1e-6
+        for s in samples:
+            s.advantages = np.where(s.trace.trainable, (s.advantages - mean) / std, 0.0).astype(np.float32)
+    return samples
+
+
 def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -98,13 +125,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     model = engine.model
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
     strategy = build_strategy(cfg.strategy)
-    trainer = Trainer(model, cfg.train)
+    head = ValueHead(model.config.hidden_size) if cfg.advantage == "gae" else None
+    modules = {"value_head": head} if head is not None else None
+    trainer = Trainer(model, cfg.train, head)
     start = 0
     if resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        start = load_checkpoint(ckpt, model, trainer.optimizer)["step"]
+        start = load_checkpoint(ckpt, model, trainer.optimizer, modules)["step"]
     metrics_path = run_dir / "metrics.jsonl"
     if metrics_path.exists():  # keep only the steps the checkpoint covers
         kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
@@ -132,9 +161,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         )
         t1 = time.perf_counter()
         rewards = np.array([r.reward for r in results])
-        adv = _advantages(cfg, rewards)
-        samples = [Sample(t, np.full(len(t), a, np.float32), i)
-                   for i, (r, a) in enumerate(zip(results, adv, strict=True)) for t in r.traces]  # fmt: skip
+        if head is not None:
+            samples = _gae_samples(cfg, model, head, results)
+        else:
+            adv = _advantages(cfg, rewards)
+            pairs = enumerate(zip(results, adv, strict=True))
+            samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces]
         stats = trainer.step(samples)
         engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
         last = {
@@ -157,7 +189,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
             for k, v in last.items():
                 writer.add_scalar(k, v, step)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step})
+            save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step}, modules)
         if on_step is not None:
             on_step(last)
         advance()

@@ -44,6 +44,8 @@ class TrainSettings(BaseModel):
     clip_high: float = Field(0.2, ge=0)
     max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
+    value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
     backend: Backend = "chunked"
 
 
@@ -52,6 +54,8 @@ class Sample:
     trace: Trace
     advantages: np.ndarray  # float [T]; used where the trace is trainable
     sequence: int = 0  # the rollout it belongs to (segments of one rollout share it)
+    returns: np.ndarray | None = None  # critic targets [T] (PPO), with the values at sampling time
+    old_values: np.ndarray | None = None
 
 
 def token_weights(samples: list[Sample], norm: Norm, constant: float | None = None) -> list[np.ndarray]:
@@ -75,9 +79,12 @@ def token_weights(samples: list[Sample], norm: Norm, constant: float | None = No
 
 
 class Trainer:
-    def __init__(self, model: CausalLM, settings: TrainSettings):
-        self.model, self.settings = model, settings
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    """Trains the policy and, when given a ``value_head``, the critic on the same backbone."""
+
+    def __init__(self, model: CausalLM, settings: TrainSettings, value_head: torch.nn.Module | None = None):
+        self.model, self.settings, self.value_head = model, settings, value_head
+        heads = list(value_head.parameters()) if value_head is not None else []
+        self.params = [p for p in model.parameters() if p.requires_grad] + heads
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=settings.lr,
@@ -108,14 +115,16 @@ class Trainer:
         self.model.train()
         weights = token_weights(samples, s.norm, s.norm_constant)
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, n_tok, clipped, masked, kl_sum, max_abs = 0.0, 0, 0.0, 0.0, 0.0, 0.0
+        total_loss, n_tok, clipped, masked, kl_sum, max_abs, value_sum = 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0
         for mb in self.micro_batches(samples):
             traces = [samples[k].trace for k in mb]
-            logps = stream_logprobs(
-                self.model, traces, backend=s.backend, max_row_tokens=s.micro_batch_tokens
+            critic = self.value_head if samples[mb[0]].returns is not None else None
+            out = stream_logprobs(
+                self.model, traces, backend=s.backend, max_row_tokens=s.micro_batch_tokens, value_head=critic
             )
+            logps, values = out if critic is not None else (out, [None] * len(mb))
             loss = logps[0].new_zeros(())
-            for k, lp in zip(mb, logps, strict=True):
+            for k, lp, v in zip(mb, logps, values, strict=True):
                 t = samples[k].trace
                 m = torch.as_tensor(t.trainable)
                 if not m.any():
@@ -128,6 +137,15 @@ class Trainer:
                     adv = torch.as_tensor(samples[k].advantages, dtype=lp.dtype)
                     per_token, keep = pg_per_token(lp, old, adv, m, s.clip_low, s.clip_high, s.max_log_ratio)
                 loss = loss + (per_token * w * keep).sum()
+                if v is not None:
+                    ret = torch.as_tensor(samples[k].returns, dtype=v.dtype)
+                    old_v = torch.as_tensor(samples[k].old_values, dtype=v.dtype)
+                    err = (v - ret) ** 2
+                    if s.value_clip is not None:
+                        clipped_v = old_v + (v - old_v).clamp(-s.value_clip, s.value_clip)
+                        err = torch.maximum(err, (clipped_v - ret) ** 2)
+                    value_sum = value_sum + float((0.5 * err * w * m).sum().detach())
+                    loss = loss + s.value_coef * (0.5 * err * w * m).sum()
                 d = (old - lp)[m]
                 k3 = torch.exp(-d) + d - 1  # KL(sampler || trainer), k3 estimate, per token
                 if s.kl_sampling:
@@ -154,4 +172,5 @@ class Trainer:
             "mismatch_max_abs": max_abs,
             "clip_fraction": clipped / n,
             "masked_fraction": masked / n,
+            "value_loss": value_sum,
         }
