@@ -46,5 +46,8 @@ class CountEnv:
         return Step("" if done else str(self.n), reward=reward, done=done, max_tokens=self.action_tokens,
                     info={"exact": exact})  # fmt: skip
 
+    def demo_action(self) -> str:
+        return str(self.n + 1)
+
     def close(self) -> None:
         pass

@@ -72,5 +72,11 @@ class RecallEnv:
         info = {"answer": self.answer, "said": said, "leaked": self.leaked, "correct": correct}
         return Step("", reward=float(correct), done=True, info=info)
 
+    def demo_action(self) -> str:
+        """The correct action now: about k tokens of ascending integers, then the answer."""
+        if self.phase == 0:
+            return " ".join(str(self.start + i) for i in range(max(1, self.k // 3)))
+        return f"Recall: {self.answer}"
+
     def close(self) -> None:
         pass

@@ -68,5 +68,9 @@ class RoomsEnv:
         correct = bool(m) and m.group(1).lower() == answer
         return Step("", reward=float(correct), done=True, info={"answer": answer, "correct": correct})
 
+    def demo_action(self) -> str:
+        """The correct action now: 'next' through the rooms, then the asked-for code word."""
+        return "next" if self.room <= self.n_rooms else f"Code: {self.codes[self.query_room - 1]}"
+
     def close(self) -> None:
         pass

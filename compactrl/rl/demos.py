@@ -1,0 +1,63 @@
+"""Demonstration traces for supervised warm-ups: episodes whose actions are the right answers.
+
+An environment that can say what a correct action is (``demo_action``) is played with those
+actions and rendered exactly as the rollout runner renders episodes (:mod:`compactrl.agent.chat`),
+so SFT trains on the token layout RL will sample. The actions are trainable; with ``evict``,
+the steps the strategy would delete are evicted in the trace at the same boundary as in a
+stream rollout, so SFT runs under the eviction mask (the KV-streams recall study's "SFT under
+eviction" arm); without, the model learns the format with full context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.trace import Trace
+
+
+def demo_trace(fmt: ChatFormat, env, seed: int, evict_steps: dict[int, list[int]] | None = None) -> Trace:
+    """One demonstration episode. ``evict_steps`` maps an action number to the step indices
+    deleted right after that action (before the reply is fed), as the ``evict_steps`` strategy does."""
+    reset = env.reset(seed)
+    tokens: list[int] = list(fmt.begin)
+    trainable: list[bool] = [False] * len(tokens)
+    roles: list[str] = ["system"] * len(tokens)
+    spans: dict[int, list[tuple[int, int]]] = {}  # step index -> its spans
+    evict_at = {}
+
+    def add(toks, role, train=False, step=None):
+        if step is not None:
+            spans.setdefault(step, []).append((len(tokens), len(tokens) + len(toks)))
+        tokens.extend(toks)
+        trainable.extend([train] * len(toks))
+        roles.extend([role] * len(toks))
+
+    if reset.system is not None:
+        add(fmt.message("system", reset.system), "system")
+    add(fmt.message("user", reset.task), "user")
+    step = 0
+    if reset.observation:
+        add(fmt.message("user", reset.observation), "user", step=0)
+    while True:
+        step += 1
+        action = env.demo_action()
+        add(fmt.header("assistant"), "assistant", step=step)
+        content = fmt.content(action) + list(fmt.stop_ids)
+        add(content, "assistant", train=True, step=step)
+        add(fmt.close(content), "assistant", step=step)
+        out = env.step(action)
+        if out.done:
+            break
+        for s in (evict_steps or {}).get(step, []):
+            for a, b in spans.get(s, []):
+                for j in range(a, b):
+                    evict_at[j] = len(tokens)
+        add(fmt.message("user", out.observation), "user", step=step)
+    T = len(tokens)
+    ev = np.full(T, T, dtype=np.int64)
+    for j, e in evict_at.items():
+        ev[j] = e
+    return Trace.from_tokens(tokens, evict_at=ev, trainable=np.array(trainable), role=roles,
+                             logprobs=np.where(trainable, 0.0, np.nan),
+                             rollout_id=f"demo-{env.name}-{seed}", meta={"demo": True})  # fmt: skip

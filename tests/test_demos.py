@@ -1,0 +1,62 @@
+"""Demonstration traces: the runner's exact token layout, and SFT that learns from them."""
+
+import copy
+
+import numpy as np
+import torch
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.envs.count import CountEnv
+from compactrl.envs.recall import RecallEnv
+from compactrl.envs.rooms import RoomsEnv
+from compactrl.models.loading import load_model
+from compactrl.models.tiny import write_tiny_model
+from compactrl.models.tokenizer import Tokenizer
+from compactrl.rl.demos import demo_trace
+from compactrl.rl.forward import stream_logprobs
+from compactrl.rl.trainer import Sample, Trainer, TrainSettings
+
+
+def test_demos_are_correct_episodes():
+    for env in (RecallEnv(k=16), RoomsEnv(n_rooms=3), CountEnv(turns=3)):
+        env.reset(seed=4)
+        total, done = 0.0, False
+        while not done:
+            out = env.step(env.demo_action())
+            total, done = total + out.reward, out.done
+        assert total == 1.0, env.name
+
+
+def test_recall_demo_under_eviction_hides_the_assignment(tmp_path):
+    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(write_tiny_model(tmp_path / "m")))
+    env = RecallEnv(k=16)
+    full = demo_trace(fmt, env, seed=2)
+    evicted = demo_trace(fmt, env, seed=2, evict_steps={1: [0]})
+    assert np.array_equal(full.tokens, evicted.tokens) and full.num_evicted == 0
+    gone = np.flatnonzero(evicted.evict_at < len(evicted))
+    assert f"is {env.answer}." in fmt.tokenizer.decode(evicted.tokens[gone].tolist())
+    answer = np.flatnonzero(evicted.trainable)[-3]  # inside "Recall: <fruit>"
+    assert not np.isin(gone, evicted.visible(answer)).any() and np.isin(gone, full.visible(answer)).all()
+    assert fmt.tokenizer.decode(full.tokens[full.trainable].tolist()).endswith(
+        f"Recall: {env.answer}<|im_end|>"
+    )
+
+
+def test_sft_on_demos_raises_their_likelihood(tmp_path):
+    folder = write_tiny_model(tmp_path / "m")
+    model = load_model(folder)
+    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(folder))
+    traces = [demo_trace(fmt, CountEnv(turns=3), seed=s) for s in range(4)]
+    before = copy.deepcopy(model)
+    trainer = Trainer(model, TrainSettings(loss="sft", lr=3e-3))
+    for _ in range(5):
+        trainer.step([Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)])
+
+    def nll(m):
+        with torch.no_grad():
+            return -sum(
+                float(lp[torch.as_tensor(t.trainable)].sum())
+                for t, lp in zip(traces, stream_logprobs(m, traces))
+            )
+
+    assert nll(model) < 0.7 * nll(before)
