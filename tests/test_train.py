@@ -85,3 +85,21 @@ def test_ppo_with_the_critic_learns_in_both_modes(tmp_path, mode):
         assert all(r["reprefilled_tokens"] > 0 for r in rows)
     ckpt = latest_checkpoint(tmp_path)
     assert (ckpt / "value_head.safetensors").is_file()  # the critic is checkpointed with the policy
+
+
+def test_sft_warm_up_then_rl_on_recall_under_eviction(tmp_path):
+    """The recall study's shape: SFT steps on demonstrations (here under the eviction mask),
+    then RL steps under eviction, one optimizer; a resume mid-SFT continues the same way."""
+    args = [
+        f"out={tmp_path}", "env.name=recall", "env.k=16", "strategy.name=evict_steps", "steps=4",
+        "sft_steps=3", "sft_under_eviction=true", "prompts=2", "group_size=2", "checkpoint_every=1",
+        "rollout.max_tokens=16", "train.lr=1e-3",
+    ]  # fmt: skip
+    cfg = load_config(TrainConfig, None, args)
+    rows = []
+    train(cfg, on_step=rows.append)
+    assert [r["phase"] for r in rows] == ["sft", "sft", "sft", "rl"]
+    assert rows[2]["loss"] < rows[0]["loss"]  # the demonstrations are being learned
+    assert rows[3]["errors"] == 0 and rows[3]["compactions"] == 1.0  # the assignment was evicted
+    with pytest.raises(ConfigError, match="evict_steps"):
+        load_config(TrainConfig, None, [*args, "strategy.name=sliding_window"])  # demos can't replay it

@@ -33,6 +33,7 @@ from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.rl.advantages import cross_segment_gae, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from compactrl.rl.critic import ValueHead
+from compactrl.rl.demos import demo_trace
 from compactrl.rl.forward import stream_logprobs
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
 
@@ -60,6 +61,18 @@ class TrainConfig(BaseModel):
     seed: int = 0
     threads: int = Field(1, ge=1)
     out: str = "runs/train"
+    sft_steps: int = Field(0, ge=0, description="the first steps are SFT on demonstrations")
+    sft_under_eviction: bool = Field(False, description="demos with the evict_steps strategy's evictions")
+
+    @model_validator(mode="after")
+    def _sft(self):
+        if self.sft_steps > self.steps:
+            raise ValueError(f"sft_steps {self.sft_steps} > steps {self.steps}: steps counts SFT steps too")
+        if self.sft_under_eviction and self.strategy.name != "evict_steps":
+            raise ValueError(
+                "sft_under_eviction replays the evict_steps strategy; set strategy.name = 'evict_steps'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _untempered(self):
@@ -100,6 +113,29 @@ def _gae_samples(cfg: TrainConfig, model, head: ValueHead, results) -> list[Samp
         for s in samples:
             s.advantages = np.where(s.trace.trainable, (s.advantages - mean) / std, 0.0).astype(np.float32)
     return samples
+
+
+def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, env_seeds: list[int]) -> dict:
+    env = make_env(cfg.env)
+    if not hasattr(env, "demo_action"):
+        raise ValueError(f"sft_steps needs demonstrations; the {cfg.env.name} env has no demo_action()")
+    evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if cfg.sft_under_eviction else None
+    seeds = [s * cfg.group_size + g for s in env_seeds for g in range(cfg.group_size)]
+    traces = [demo_trace(fmt, env, s, evict) for s in seeds]
+    stats = trainer.step(
+        [Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)], loss="sft"
+    )
+    keep = ("loss", "grad_norm", "trained_tokens", "train_s")
+    return {"step": step, "phase": "sft", **{k: stats[k] for k in keep}}
+
+
+def _log(path: Path, writer, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if writer is not None:
+        for k, v in row.items():
+            if isinstance(v, (int, float)):
+                writer.add_scalar(k, v, row["step"])
 
 
 def _tensorboard(run_dir: Path):
@@ -144,6 +180,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+        if step <= cfg.sft_steps:  # supervised warm-up on demonstrations, same optimizer
+            last = _sft_step(cfg, fmt, trainer, step, env_seeds)
+            _log(metrics_path, writer, last)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step}, modules)
+            if on_step is not None:
+                on_step(last)
+            advance()
+            continue
         seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
         sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
         results = asyncio.run(
@@ -171,6 +216,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
         last = {
             "step": step,
+            "phase": "rl",
             "reward": float(rewards.mean()),
             "reward_max": float(rewards.max()),
             "errors": sum(r.error is not None for r in results),
@@ -183,11 +229,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
             "train_s": stats["train_s"],
             "sync_s": 0.0,  # shared model: the engine reads the updated parameters in place
         }
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(last) + "\n")
-        if writer is not None:
-            for k, v in last.items():
-                writer.add_scalar(k, v, step)
+        _log(metrics_path, writer, last)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step}, modules)
         if on_step is not None:

@@ -95,10 +95,11 @@ class Trainer:
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         return pack_greedy([s.trace for s in samples], self.settings.micro_batch_tokens)
 
-    def step(self, samples: list[Sample]) -> dict:
-        """One optimizer step; returns loss, gradient norm and diagnostics."""
+    def step(self, samples: list[Sample], loss: Literal["pg", "sft"] | None = None) -> dict:
+        """One optimizer step (``loss`` overrides the settings' for this step, e.g. an SFT warm-up
+        sharing the optimizer); returns loss, gradient norm and diagnostics."""
         t0 = time.perf_counter()
-        stats = self.backward(samples)
+        stats = self.backward(samples, loss)
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.settings.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
@@ -107,11 +108,11 @@ class Trainer:
         self.optimizer.step()
         return stats | {"grad_norm": float(norm), "train_s": time.perf_counter() - t0}
 
-    def backward(self, samples: list[Sample]) -> dict:
+    def backward(self, samples: list[Sample], loss: Literal["pg", "sft"] | None = None) -> dict:
         """Accumulate the batch's gradient (micro-batch by micro-batch) into ``.grad``."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
-        s = self.settings
+        s = self.settings if loss is None else self.settings.model_copy(update={"loss": loss})
         self.model.train()
         weights = token_weights(samples, s.norm, s.norm_constant)
         self.optimizer.zero_grad(set_to_none=True)
