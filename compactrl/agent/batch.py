@@ -26,6 +26,7 @@ from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import EnvConfig, RoomsConfig, make_env
 from compactrl.models.loading import DTYPES
+from compactrl.models.tokenizer import Tokenizer
 from compactrl.trace import save_traces
 
 
@@ -70,16 +71,20 @@ class RolloutConfig(BaseModel):
         return self
 
 
-def load_engine(src: ModelSource, engine: EngineConfig, run_dir: Path) -> Engine:
-    """The engine for a run; a generated model is written once into ``run_dir/model`` and reused."""
+def load_engine(src: ModelSource, engine: EngineConfig, run_dir: Path, weights: Path | None = None) -> Engine:
+    """The engine for a run; a generated model is written once into ``run_dir/model`` and reused.
+    ``weights`` (a checkpoint's model folder) replaces the weights, the run's tokenizer stays."""
+    from compactrl.models.loading import load_model
     from compactrl.models.tiny import write_tiny_model
 
     folder = Path(src.path) if src.path else run_dir / "model"
     if src.path is None and not (folder / "config.json").exists():
         write_tiny_model(folder, family=src.family, size=src.size, seed=src.seed)
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"model.path {folder} has no config.json; point it at a Hugging Face folder")
-    return Engine.from_pretrained(folder, dtype=src.dtype, config=engine)
+    for f in (folder, weights):
+        if f is not None and not (f / "config.json").exists():
+            raise FileNotFoundError(f"{f} has no config.json; point at a Hugging Face model folder")
+    model = load_model(weights or folder, dtype=src.dtype)
+    return Engine(model, Tokenizer.from_dir(folder), engine)
 
 
 async def run_episodes(

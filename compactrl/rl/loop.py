@@ -182,53 +182,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
         if step <= cfg.sft_steps:  # supervised warm-up on demonstrations, same optimizer
             last = _sft_step(cfg, fmt, trainer, step, env_seeds)
-            _log(metrics_path, writer, last)
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step}, modules)
-            if on_step is not None:
-                on_step(last)
-            advance()
-            continue
-        seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
-        sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
-        results = asyncio.run(
-            run_episodes(
-                engine,
-                fmt,
-                lambda: make_env(cfg.env),
-                strategy,
-                cfg.mode,
-                cfg.rollout,
-                seeds,
-                len(seeds),
-                sample_seeds=sample_seeds,
-            )
-        )
-        t1 = time.perf_counter()
-        rewards = np.array([r.reward for r in results])
-        if head is not None:
-            samples = _gae_samples(cfg, model, head, results)
         else:
-            adv = _advantages(cfg, rewards)
-            pairs = enumerate(zip(results, adv, strict=True))
-            samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces]
-        stats = trainer.step(samples)
-        engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
-        last = {
-            "step": step,
-            "phase": "rl",
-            "reward": float(rewards.mean()),
-            "reward_max": float(rewards.max()),
-            "errors": sum(r.error is not None for r in results),
-            "turns": float(np.mean([r.turns for r in results])),
-            "tokens": float(np.mean([r.tokens for r in results])),
-            "compactions": float(np.mean([r.compactions for r in results])),
-            "reprefilled_tokens": float(np.mean([r.reprefilled_tokens for r in results])),
-            **{k: v for k, v in stats.items() if k != "train_s"},
-            "generate_s": t1 - t0,
-            "train_s": stats["train_s"],
-            "sync_s": 0.0,  # shared model: the engine reads the updated parameters in place
-        }
+            last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, env_seeds, t0)
         _log(metrics_path, writer, last)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step}, modules)
@@ -240,27 +195,62 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     return last
 
 
+def _rl_step(
+    cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, step: int, env_seeds, t0
+) -> dict:
+    """Sample ``group_size`` rollouts per env seed, compute advantages, take one step."""
+    seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
+    sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
+    results = asyncio.run(
+        run_episodes(
+            engine,
+            fmt,
+            lambda: make_env(cfg.env),
+            strategy,
+            cfg.mode,
+            cfg.rollout,
+            seeds,
+            len(seeds),
+            sample_seeds=sample_seeds,
+        )
+    )
+    t1 = time.perf_counter()
+    rewards = np.array([r.reward for r in results])
+    if head is not None:
+        samples = _gae_samples(cfg, engine.model, head, results)
+    else:
+        adv = _advantages(cfg, rewards)
+        pairs = enumerate(zip(results, adv, strict=True))
+        samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces]
+    stats = trainer.step(samples)
+    engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
+    last = {
+        "step": step,
+        "phase": "rl",
+        "reward": float(rewards.mean()),
+        "reward_max": float(rewards.max()),
+        "errors": sum(r.error is not None for r in results),
+        "turns": float(np.mean([r.turns for r in results])),
+        "tokens": float(np.mean([r.tokens for r in results])),
+        "compactions": float(np.mean([r.compactions for r in results])),
+        "reprefilled_tokens": float(np.mean([r.reprefilled_tokens for r in results])),
+        **{k: v for k, v in stats.items() if k != "train_s"},
+        "generate_s": t1 - t0,
+        "train_s": stats["train_s"],
+        "sync_s": 0.0,  # shared model: the engine reads the updated parameters in place
+    }
+    return last
+
+
 def evaluate(
     cfg: TrainConfig, checkpoint: str | Path | None = None, episodes: int = 32, greedy: bool = False
 ) -> dict:
     """Run ``episodes`` held-out episodes (env seeds disjoint from training's) with the run's
     model or a checkpoint's, without training; writes ``eval.jsonl`` into the run directory."""
-    from compactrl.engine import Engine
-    from compactrl.models.loading import load_model
-    from compactrl.models.tokenizer import Tokenizer
-
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out)
-    base = load_engine(cfg.model, cfg.engine, run_dir)
-    engine = base
-    if checkpoint is not None:
-        folder = Path(checkpoint) / "model"
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{checkpoint} has no model/config.json; pass a checkpoints/step_* folder"
-            )
-        model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
-        engine = Engine(load_model(folder, dtype=cfg.model.dtype), Tokenizer.from_dir(model_dir), cfg.engine)
+    weights = Path(checkpoint) / "model" if checkpoint is not None else None
+    engine = load_engine(cfg.model, cfg.engine, run_dir, weights)
     settings = cfg.rollout.model_copy(update={"temperature": 0.0}) if greedy else cfg.rollout
     seeds = [1_000_000_000 + cfg.seed + i for i in range(episodes)]  # never a training seed
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
