@@ -491,6 +491,46 @@ def bench_trainer(
     out.print("time/tok = time ratio / token ratio, 2N/N = stream time at 2N over N")
 
 
+@bench_app.command("train-step")
+def bench_train_step(
+    config: Annotated[Path, typer.Argument(help="Train config whose strategy and batch are used.")] = Path(
+        "configs/train/rooms_window.toml"
+    ),
+    overrides: SetOption = None,
+    repeats: Annotated[int, typer.Option(help="Timed steps per mode (median is reported).")] = 3,
+    output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """One training step on the same rollouts: stream (one pass) vs re-prefill (one sample per segment)."""
+    from compactrl.bench.train_step import run_train_step_bench
+    from compactrl.rl.loop import TrainConfig
+
+    if repeats < 1:
+        fail("--repeats must be at least 1")
+    cfg = load_run_config(TrainConfig, config, overrides)
+    with progress_bar("bench train-step") as progress:
+        try:
+            r = run_train_step_bench(cfg, repeats, progress)
+        except ValueError as e:
+            fail(str(e))
+    if output:
+        output.write_text(json.dumps(r, indent=2) + "\n")
+    if as_json:
+        emit_json(r)
+        return
+    m, model = r["machine"], r["model"]
+    out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
+    out.print(
+        f"{r['rollouts']} {r['env']} rollouts, {r['strategy']['name']}, {r['compactions']:.1f} compactions each, "
+        f"{r['trained_tokens']} trained tokens"
+    )
+    out.print(
+        f"stream: {r['stream_samples']} samples, {r['stream_tokens']} tokens, {r['stream_s']:.3f} s | "
+        f"re-prefill: {r['reprefill_samples']} samples, {r['reprefill_tokens']} tokens, {r['reprefill_s']:.3f} s"
+    )
+    out.print(f"re-prefill / stream: tokens {r['token_ratio']:.2f}, time {r['time_ratio']:.2f}")
+
+
 @bench_app.command("engine")
 def bench_engine(
     model_dir: Annotated[

@@ -85,7 +85,7 @@ class TrainConfig(BaseModel):
         return self
 
 
-def _advantages(cfg: TrainConfig, rewards: np.ndarray) -> np.ndarray:
+def step_advantages(cfg: TrainConfig, rewards: np.ndarray) -> np.ndarray:
     r = torch.as_tensor(rewards, dtype=torch.float32)
     if cfg.advantage == "loo":
         return loo_advantages(r, cfg.chance).numpy()
@@ -219,7 +219,7 @@ def _rl_step(
     if head is not None:
         samples = _gae_samples(cfg, engine.model, head, results)
     else:
-        adv = _advantages(cfg, rewards)
+        adv = step_advantages(cfg, rewards)
         pairs = enumerate(zip(results, adv, strict=True))
         samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces]
     stats = trainer.step(samples)

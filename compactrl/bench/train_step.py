@@ -1,0 +1,122 @@
+"""`compactrl bench train-step CONFIG`: one training step on the same rollouts, stream vs re-prefill.
+
+One batch of real rollouts is sampled with the config's strategy in stream mode. The same
+rollouts are then trained on two ways, each by its own :class:`Trainer` (same settings, same
+advantages, its own copy of the model), interleaved in one run so machine drift hits both alike:
+
+* stream: one sample per rollout, one forward under the eviction mask;
+* re-prefill: one sample per segment — the tokens live when the segment began (re-fed at fresh
+  positions, not trained again) followed by the segment's new tokens — which is what a framework
+  that compacts by re-prefilling trains on.
+
+Both train exactly the same policy tokens (checked); the re-prefill step forwards more tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compactrl.agent.batch import load_engine, run_episodes
+from compactrl.agent.chat import ChatFormat
+from compactrl.bench.trainer import machine_info
+from compactrl.compaction import build_strategy
+from compactrl.envs import make_env
+from compactrl.models.loading import config_summary
+from compactrl.rl.forward import reprefill_segments
+from compactrl.rl.loop import TrainConfig, step_advantages
+from compactrl.rl.trainer import Sample, Trainer
+from compactrl.trace import Trace
+
+
+def segment_traces(trace: Trace) -> list[Trace]:
+    """The re-prefill training samples of a stream trace: one ordinary trace per segment, whose
+    kept prefix is context only and whose new tokens keep their trainability and log-probs."""
+    out = []
+    for k, seg in enumerate(reprefill_segments(trace)):
+        idx = seg.stream_index
+        new = np.arange(len(idx)) >= seg.num_kept
+        trainable = trace.trainable[idx] & new
+        out.append(
+            Trace.from_tokens(
+                seg.tokens,
+                trainable=trainable,
+                logprobs=np.where(trainable, trace.logprobs[idx], np.nan),
+                turn=trace.turn[idx],
+                role=[trace.role[i] for i in idx],
+                segment=np.full(len(idx), k),
+                rollout_id=trace.rollout_id,
+            )
+        )
+    return out
+
+
+def run_train_step_bench(
+    cfg: TrainConfig, repeats: int = 3, progress: Callable[[int], Callable[[], None]] | None = None
+) -> dict:
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = load_engine(cfg.model, cfg.engine, Path(tmp))
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    seeds = [cfg.seed + j for j in range(cfg.prompts) for _ in range(cfg.group_size)]
+    results = asyncio.run(
+        run_episodes(
+            engine, fmt, lambda: make_env(cfg.env), build_strategy(cfg.strategy), "stream", cfg.rollout,
+            seeds, len(seeds), sample_seeds=[1_000_003 * s + i for i, s in enumerate(seeds)],
+        )
+    )  # fmt: skip
+    failed = [r.error for r in results if r.error is not None]
+    if failed:
+        raise ValueError(f"{len(failed)} rollouts failed, e.g. {failed[0]}")
+    adv = step_advantages(cfg, np.array([r.reward for r in results]))
+    stream = [Sample(r.traces[0], np.full(len(r.traces[0]), a, np.float32), i)
+              for i, (r, a) in enumerate(zip(results, adv, strict=True))]  # fmt: skip
+    reprefill = [Sample(t, np.full(len(t), s.advantages[0], np.float32), s.sequence)
+                 for s in stream for t in segment_traces(s.trace)]  # fmt: skip
+    trained = {name: sum(int(s.trace.trainable.sum()) for s in samples)
+               for name, samples in (("stream", stream), ("reprefill", reprefill))}  # fmt: skip
+    if trained["stream"] != trained["reprefill"]:
+        raise AssertionError(f"the two views train different tokens: {trained}")
+    arms = {
+        "stream": (Trainer(copy.deepcopy(engine.model), cfg.train), stream),
+        "reprefill": (Trainer(copy.deepcopy(engine.model), cfg.train), reprefill),
+    }
+    advance = progress(2 * (repeats + 1)) if progress else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for rep in range(repeats + 1):  # repeat 0 warms up (allocator, first-call overheads)
+        for name, (trainer, samples) in arms.items():
+            t0 = time.perf_counter()
+            trainer.step(samples)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+            advance()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    fed = {name: sum(len(s.trace) for s in samples) for name, (_, samples) in arms.items()}
+    return {
+        "benchmark": "train_step",
+        "machine": machine_info(cfg.threads),
+        "model": config_summary(engine.model.config) | {"source": cfg.model.path or f"tiny qwen3 {cfg.model.size}"},
+        "env": cfg.env.name,
+        "strategy": cfg.strategy.model_dump(),
+        "rollouts": len(results),
+        "compactions": float(np.mean([r.compactions for r in results])),
+        "trained_tokens": trained["stream"],
+        "stream_tokens": fed["stream"],
+        "reprefill_tokens": fed["reprefill"],
+        "token_ratio": fed["reprefill"] / fed["stream"],
+        "stream_samples": len(stream),
+        "reprefill_samples": len(reprefill),
+        "repeats": repeats,
+        "stream_s": med["stream"],
+        "reprefill_s": med["reprefill"],
+        "time_ratio": med["reprefill"] / med["stream"],
+    }
