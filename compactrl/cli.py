@@ -521,12 +521,13 @@ def bench_train_step(
     m, model = r["machine"], r["model"]
     out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
     out.print(
-        f"{r['rollouts']} {r['env']} rollouts, {r['strategy']['name']}, {r['compactions']:.1f} compactions each, "
-        f"{r['trained_tokens']} trained tokens"
+        f"{r['rollouts']} {r['env']} rollouts, {r['strategy']['name']}, "
+        f"{r['compactions']:.1f} compactions each, {r['trained_tokens']} trained tokens"
     )
     out.print(
         f"stream: {r['stream_samples']} samples, {r['stream_tokens']} tokens, {r['stream_s']:.3f} s | "
-        f"re-prefill: {r['reprefill_samples']} samples, {r['reprefill_tokens']} tokens, {r['reprefill_s']:.3f} s"
+        f"re-prefill: {r['reprefill_samples']} samples, {r['reprefill_tokens']} tokens, "
+        f"{r['reprefill_s']:.3f} s"
     )
     out.print(f"re-prefill / stream: tokens {r['token_ratio']:.2f}, time {r['time_ratio']:.2f}")
 

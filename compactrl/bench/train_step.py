@@ -100,11 +100,12 @@ def run_train_step_bench(
                 times[name].append(time.perf_counter() - t0)
             advance()
     med = {k: statistics.median(v) for k, v in times.items()}
+    source = cfg.model.path or f"tiny qwen3 {cfg.model.size}"
     fed = {name: sum(len(s.trace) for s in samples) for name, (_, samples) in arms.items()}
     return {
         "benchmark": "train_step",
         "machine": machine_info(cfg.threads),
-        "model": config_summary(engine.model.config) | {"source": cfg.model.path or f"tiny qwen3 {cfg.model.size}"},
+        "model": config_summary(engine.model.config) | {"source": source},
         "env": cfg.env.name,
         "strategy": cfg.strategy.model_dump(),
         "rollouts": len(results),
