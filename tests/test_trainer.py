@@ -104,3 +104,46 @@ def test_policy_gradient_moves_log_probs_with_the_advantage(tiny_lm):
             for t, lp in zip(traces, stream_logprobs(model, traces))
         ]
     assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_distillation_is_the_kl_from_the_full_context_pass(tiny_lm):
+    from compactrl.masks import dense_mask
+    from compactrl.rl.forward import full_context
+
+    model = copy.deepcopy(tiny_lm)
+    traces = engine_traces(model, n=2, seed=7)
+    vocab = model.config.vocab_size
+    trainer = Trainer(model, TrainSettings(lr=1e-3, distill_top_k=vocab))  # top-k = all: the exact KL
+    stats = trainer.backward(
+        [Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)], "distill"
+    )
+    expected, n = 0.0, 0
+    with torch.no_grad():
+        for t in traces:
+            tok, pos = torch.as_tensor(t.tokens), torch.arange(len(t))
+            views = [torch.log_softmax(model(tok, pos, dense_mask(torch.as_tensor(u.evict_at)))[0].double(), -1)
+                     for u in (full_context(t), t)]  # fmt: skip
+            kl = (views[0].exp() * (views[0] - views[1])).sum(-1)  # row i predicts token i + 1
+            m = torch.as_tensor(t.trainable)[1:]
+            expected += float(kl[:-1][m].sum())
+            n += int(m.sum())
+            first_after = int(min(e for e, _ in t.eviction_events()))
+            assert kl[: first_after - 1].abs().max() < 1e-6  # before any eviction the views agree
+    assert stats["loss"] == pytest.approx(expected / n, rel=1e-4) and expected > 1e-3
+    clean = Trace.from_tokens(traces[0].tokens, trainable=traces[0].trainable)  # nothing evicted
+    assert trainer.backward([Sample(clean, np.zeros(len(clean), np.float32))], "distill")[
+        "loss"
+    ] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reference_kl_starts_at_zero_and_grows_as_the_policy_moves(tiny_lm):
+    model = copy.deepcopy(tiny_lm)
+    traces = engine_traces(model, n=2, seed=9)
+    with pytest.raises(ValueError, match="reference model"):
+        Trainer(model, TrainSettings(kl_ref=0.1)).backward(samples_of(traces))
+    trainer = Trainer(model, TrainSettings(lr=1e-2, kl_ref=0.1), reference=copy.deepcopy(model).eval())
+    first = trainer.step(samples_of(traces))
+    assert first["ref_kl"] < 1e-9
+    for _ in range(3):
+        last = trainer.step(samples_of(traces))
+    assert last["ref_kl"] > 1e-4

@@ -175,16 +175,21 @@ def token_logprobs(
     lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
 ) -> torch.Tensor:
     """``log p(targets[n] | hidden[n])`` in float32 (float64 for a float64 model), ``chunk`` rows at a time.
+    ``targets`` of shape ``[n, m]`` scores ``m`` candidate tokens per row (``[n, m]`` out).
 
     Never holds more than a ``[chunk, vocab]`` float32 logits tensor: under autograd each chunk
     is recomputed in backward instead of stored.
     """
-    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(hidden.shape[0], -1) if targets.dim() == 2 else targets.reshape(-1)
 
     def one(h, t):
         logits = lm.lm_head(h)
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        return logits.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        if t.dim() == 2:
+            return logits.gather(-1, t) - lse
+        return (logits.gather(-1, t[:, None]) - lse).squeeze(-1)
 
     outs = []
     for s in range(0, hidden.shape[0], chunk):
@@ -193,4 +198,18 @@ def token_logprobs(
             outs.append(torch.utils.checkpoint.checkpoint(one, h, t, use_reentrant=False))
         else:
             outs.append(one(h, t))
-    return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(outs) if outs else hidden.new_zeros(targets.shape, dtype=torch.float32)
+
+
+@torch.no_grad()
+def topk_logprobs(lm: CausalLM, hidden: torch.Tensor, k: int, chunk: int = 1024):
+    """The ``k`` most likely next tokens per row and their log-probs (``[n, k]`` each)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    ids, lps = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        logits = lm.lm_head(hidden[s : s + chunk])
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        ids.append(top.indices)
+        lps.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return torch.cat(ids), torch.cat(lps)

@@ -9,6 +9,7 @@ and the negative control.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from compactrl.masks import chunked_mask, dense_mask, flex_block_mask, pack, pack_greedy
-from compactrl.models.decoder import CausalLM, token_logprobs
+from compactrl.models.decoder import CausalLM, token_logprobs, topk_logprobs
 from compactrl.trace import Trace
 
 Backend = Literal["chunked", "dense", "flex"]
@@ -61,6 +62,7 @@ def stream_logprobs(
     max_row_tokens: int | None = None,
     logits_chunk: int = 1024,
     value_head: torch.nn.Module | None = None,
+    candidates: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
 
@@ -68,26 +70,48 @@ def stream_logprobs(
     ``max_row_tokens`` tokens. ``chunked`` costs T x live-context and has a CPU backward;
     ``flex`` is the CUDA path (forward-only on CPU); ``dense`` is the T^2 reference.
     With a ``value_head`` (the critic on the shared backbone) it returns ``(logprobs, values)``,
-    ``values[k][i]`` being the value of the state in which token ``i`` was chosen.
+    ``values[k][i]`` being the value of the state in which token ``i`` was chosen. With
+    ``candidates`` (``[T, m]`` token ids per trace) row ``i`` scores those ``m`` tokens at
+    position ``i`` instead of the trace's own token (``[T, m]`` out; distillation's student side).
     """
     out: list[torch.Tensor | None] = [None] * len(traces)
     values: list[torch.Tensor | None] = [None] * len(traces)
     for row, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens):
-        sel_h, sel_t = [], []
-        for s, n in zip(packed.starts, packed.lengths, strict=True):
-            sel_h.append(hidden[s : s + n - 1])
-            sel_t.append(packed.tokens[s + 1 : s + n])
-        h = torch.cat(sel_h)
-        lp = token_logprobs(model, h, torch.cat(sel_t), chunk=logits_chunk)
+        h = torch.cat([hidden[s : s + n - 1] for s, n in zip(packed.starts, packed.lengths, strict=True)])
+        if candidates is None:
+            targets = torch.cat([packed.tokens[s + 1 : s + n] for s, n in zip(packed.starts, packed.lengths)])
+        else:
+            targets = torch.cat([candidates[k][1:].to(h.device) for k in row])
+        lp = token_logprobs(model, h, targets, chunk=logits_chunk)
         v = value_head(h).float() if value_head is not None else None
         offset = 0
         for k, n in zip(row, packed.lengths, strict=True):
-            out[k] = torch.cat([lp.new_zeros(1), lp[offset : offset + n - 1]])
+            out[k] = torch.cat([lp.new_zeros((1, *lp.shape[1:])), lp[offset : offset + n - 1]])
             if v is not None:
                 values[k] = torch.cat([v.new_zeros(1), v[offset : offset + n - 1]])
             offset += n - 1
     if value_head is not None:
         return out, values  # type: ignore[return-value]
+    return out  # type: ignore[return-value]
+
+
+def full_context(trace: Trace) -> Trace:
+    """The same tokens with nothing ever evicted (a distillation teacher's view)."""
+    return dataclasses.replace(trace, evict_at=np.full(len(trace), len(trace), dtype=np.int64))
+
+
+@torch.no_grad()
+def stream_topk(
+    model: CausalLM, traces: list[Trace], k: int, *, backend: Backend = "chunked", chunk: int = 256,
+    max_row_tokens: int | None = None, logits_chunk: int = 1024,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per trace, the ``k`` most likely tokens at each position and their log-probs (``[T, k]``
+    each; row 0 is empty): a distillation teacher's side."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(traces)
+    for row, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens):
+        for j, s, n in zip(row, packed.starts, packed.lengths, strict=True):
+            ids, lp = topk_logprobs(model, hidden[s : s + n - 1], k, logits_chunk)
+            out[j] = (torch.cat([ids[:1] * 0, ids]), torch.cat([lp[:1] * 0, lp]))
     return out  # type: ignore[return-value]
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -30,6 +33,7 @@ from compactrl.agent.rollout import RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
+from compactrl.models.loading import load_model, save_model
 from compactrl.rl.advantages import cross_segment_gae, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from compactrl.rl.critic import ValueHead
@@ -51,6 +55,12 @@ class TrainConfig(BaseModel):
     steps: int = Field(40, ge=1)
     prompts: int = Field(4, ge=1, description="env seeds per step")
     group_size: int = Field(4, ge=1, description="rollouts per env seed")
+    objective: Literal["rl", "rft", "distill"] = Field(
+        "rl",
+        description="rl: policy gradient with `advantage`; rft: SFT on rollouts scoring >= rft_min_reward; "
+        "distill: KL from the full-context model to itself under the evictions, on its own rollouts",
+    )
+    rft_min_reward: float = 1.0
     advantage: Literal["group", "loo", "gae"] = "group"
     gamma: float = Field(1.0, ge=0, le=1, description="gae: discount per action token")
     lam: float = Field(0.95, ge=0, le=1, description="gae: lambda")
@@ -72,6 +82,17 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "sft_under_eviction replays the evict_steps strategy; set strategy.name = 'evict_steps'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _objective(self):
+        if self.objective == "distill" and self.mode != "stream":
+            raise ValueError(
+                "objective = 'distill' needs mode = 'stream': "
+                "the teacher is the same rollout without its evictions"
+            )
+        if self.objective != "rl" and self.advantage == "gae":
+            raise ValueError(f"advantage = 'gae' trains a critic for objective 'rl', not {self.objective!r}")
         return self
 
     @model_validator(mode="after")
@@ -113,6 +134,20 @@ def _gae_samples(cfg: TrainConfig, model, head: ValueHead, results) -> list[Samp
         for s in samples:
             s.advantages = np.where(s.trace.trainable, (s.advantages - mean) / std, 0.0).astype(np.float32)
     return samples
+
+
+def _reference(cfg: TrainConfig, model, run_dir: Path, fresh: bool):
+    """The frozen reference of ``train.kl_ref``: the policy as RL begins (after any SFT steps),
+    kept in ``run_dir/reference`` so that a resumed run penalises the distance to the same model."""
+    folder = run_dir / "reference"
+    if fresh:
+        tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".reference-"))
+        save_model(model, tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    elif not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"--resume past the start of RL needs the reference model in {folder}")
+    return load_model(folder, dtype=cfg.model.dtype).eval().requires_grad_(False)
 
 
 def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, env_seeds: list[int]) -> dict:
@@ -183,6 +218,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         if step <= cfg.sft_steps:  # supervised warm-up on demonstrations, same optimizer
             last = _sft_step(cfg, fmt, trainer, step, env_seeds)
         else:
+            if cfg.train.kl_ref and trainer.reference is None:
+                trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
             last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, env_seeds, t0)
         _log(metrics_path, writer, last)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
@@ -216,13 +253,15 @@ def _rl_step(
     )
     t1 = time.perf_counter()
     rewards = np.array([r.reward for r in results])
+    loss = {"rl": "pg", "rft": "sft", "distill": "distill"}[cfg.objective]
     if head is not None:
         samples = _gae_samples(cfg, engine.model, head, results)
     else:
-        adv = step_advantages(cfg, rewards)
+        adv = step_advantages(cfg, rewards) if cfg.objective == "rl" else np.zeros(len(results))
         pairs = enumerate(zip(results, adv, strict=True))
-        samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces]
-    stats = trainer.step(samples)
+        samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces
+                   if cfg.objective != "rft" or r.reward >= cfg.rft_min_reward]  # fmt: skip
+    stats = trainer.step(samples, loss) if samples else _no_update()
     engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
     last = {
         "step": step,
@@ -240,6 +279,13 @@ def _rl_step(
         "sync_s": 0.0,  # shared model: the engine reads the updated parameters in place
     }
     return last
+
+
+def _no_update() -> dict:
+    """RFT with no rollout over the bar: nothing to train on this step."""
+    zero = ("loss", "trained_tokens", "mismatch_kl", "mismatch_max_abs", "clip_fraction", "masked_fraction",
+            "value_loss", "ref_kl", "grad_norm", "train_s")  # fmt: skip
+    return dict.fromkeys(zero, 0.0)
 
 
 def evaluate(

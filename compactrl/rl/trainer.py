@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.masks import pack_greedy
 from compactrl.models.decoder import CausalLM
-from compactrl.rl.forward import Backend, stream_logprobs
+from compactrl.rl.forward import Backend, full_context, stream_logprobs, stream_topk
 from compactrl.rl.losses import Norm, pg_per_token
 from compactrl.trace import Trace
 
@@ -31,7 +31,7 @@ from compactrl.trace import Trace
 class TrainSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    loss: Literal["pg", "sft"] = "pg"
+    loss: Literal["pg", "sft", "distill"] = "pg"
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -44,6 +44,8 @@ class TrainSettings(BaseModel):
     clip_high: float = Field(0.2, ge=0)
     max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
+    kl_ref: float = Field(0.0, ge=0, description="coefficient of the KL to the frozen reference model")
+    distill_top_k: int = Field(16, ge=1, description="distill: the teacher's top-k tokens the KL covers")
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
     backend: Backend = "chunked"
@@ -81,8 +83,9 @@ def token_weights(samples: list[Sample], norm: Norm, constant: float | None = No
 class Trainer:
     """Trains the policy and, when given a ``value_head``, the critic on the same backbone."""
 
-    def __init__(self, model: CausalLM, settings: TrainSettings, value_head: torch.nn.Module | None = None):
-        self.model, self.settings, self.value_head = model, settings, value_head
+    def __init__(self, model: CausalLM, settings: TrainSettings, value_head: torch.nn.Module | None = None,
+                 reference: CausalLM | None = None):  # fmt: skip
+        self.model, self.settings, self.value_head, self.reference = model, settings, value_head, reference
         heads = list(value_head.parameters()) if value_head is not None else []
         self.params = [p for p in model.parameters() if p.requires_grad] + heads
         self.optimizer = torch.optim.AdamW(
@@ -95,7 +98,7 @@ class Trainer:
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         return pack_greedy([s.trace for s in samples], self.settings.micro_batch_tokens)
 
-    def step(self, samples: list[Sample], loss: Literal["pg", "sft"] | None = None) -> dict:
+    def step(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None) -> dict:
         """One optimizer step (``loss`` overrides the settings' for this step, e.g. an SFT warm-up
         sharing the optimizer); returns loss, gradient norm and diagnostics."""
         t0 = time.perf_counter()
@@ -108,22 +111,33 @@ class Trainer:
         self.optimizer.step()
         return stats | {"grad_norm": float(norm), "train_s": time.perf_counter() - t0}
 
-    def backward(self, samples: list[Sample], loss: Literal["pg", "sft"] | None = None) -> dict:
+    def backward(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None) -> dict:
         """Accumulate the batch's gradient (micro-batch by micro-batch) into ``.grad``."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         s = self.settings if loss is None else self.settings.model_copy(update={"loss": loss})
+        if s.kl_ref and self.reference is None:
+            raise ValueError("kl_ref > 0 needs a reference model: Trainer(..., reference=frozen copy)")
         self.model.train()
         weights = token_weights(samples, s.norm, s.norm_constant)
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, n_tok, clipped, masked, kl_sum, max_abs, value_sum = 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0
+        total_loss, n_tok, clipped, masked, kl_sum, max_abs, value_sum, ref_kl = 0, 0, 0, 0, 0, 0, 0, 0.0
         for mb in self.micro_batches(samples):
             traces = [samples[k].trace for k in mb]
             critic = self.value_head if samples[mb[0]].returns is not None else None
-            out = stream_logprobs(
-                self.model, traces, backend=s.backend, max_row_tokens=s.micro_batch_tokens, value_head=critic
-            )
+            fwd = dict(backend=s.backend, max_row_tokens=s.micro_batch_tokens)
+            candidates = None
+            if s.loss == "distill":  # the same model with full context teaches the evicted view
+                teacher = stream_topk(self.model, [full_context(t) for t in traces], s.distill_top_k, **fwd)
+                candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
+                              for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
+            out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates, **fwd)
             logps, values = out if critic is not None else (out, [None] * len(mb))
+            if candidates is not None:  # column 0 is the trace's own token, the rest the teacher's
+                student, logps = [c[:, 1:] for c in logps], [c[:, 0] for c in logps]
+            if s.kl_ref:
+                with torch.no_grad():
+                    ref_logps = stream_logprobs(self.reference, traces, **fwd)
             loss = logps[0].new_zeros(())
             for k, lp, v in zip(mb, logps, values, strict=True):
                 t = samples[k].trace
@@ -134,6 +148,11 @@ class Trainer:
                 old = torch.as_tensor(np.nan_to_num(t.logprobs), dtype=lp.dtype)
                 if s.loss == "sft":
                     per_token, keep, adv = -lp, m, torch.zeros_like(lp)
+                elif s.loss == "distill":
+                    j = mb.index(k)
+                    t_lp = torch.log_softmax(teacher[j][1].to(lp.device), dim=-1)  # renormalised on the top-k
+                    per_token = (t_lp.exp() * (t_lp - student[j])).sum(-1)
+                    keep, adv = m, torch.zeros_like(lp)
                 else:
                     adv = torch.as_tensor(samples[k].advantages, dtype=lp.dtype)
                     per_token, keep = pg_per_token(lp, old, adv, m, s.clip_low, s.clip_high, s.max_log_ratio)
@@ -151,6 +170,11 @@ class Trainer:
                 k3 = torch.exp(-d) + d - 1  # KL(sampler || trainer), k3 estimate, per token
                 if s.kl_sampling:
                     loss = loss + s.kl_sampling * (k3 * w[m]).sum()
+                if s.kl_ref:
+                    r = (ref_logps[mb.index(k)] - lp)[m]
+                    ref_k3 = torch.exp(r) - r - 1  # KL(policy || reference), k3 on sampled tokens
+                    loss = loss + s.kl_ref * (ref_k3 * w[m]).sum()
+                    ref_kl += float(ref_k3.detach().sum())
                 with torch.no_grad():
                     n_tok += int(m.sum())
                     dd = d.double()  # float64: float32 rounding makes tiny k3 values negative
@@ -174,4 +198,5 @@ class Trainer:
             "clip_fraction": clipped / n,
             "masked_fraction": masked / n,
             "value_loss": value_sum,
+            "ref_kl": ref_kl / n,
         }
