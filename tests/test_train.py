@@ -87,19 +87,40 @@ def test_ppo_with_the_critic_learns_in_both_modes(tmp_path, mode):
     assert (ckpt / "value_head.safetensors").is_file()  # the critic is checkpointed with the policy
 
 
-def test_sft_warm_up_then_rl_on_recall_under_eviction(tmp_path):
-    """The recall study's shape: SFT steps on demonstrations (here under the eviction mask),
-    then RL steps under eviction, one optimizer; a resume mid-SFT continues the same way."""
-    args = [
-        f"out={tmp_path}", "env.name=recall", "env.k=16", "strategy.name=evict_steps", "steps=4",
-        "sft_steps=3", "sft_under_eviction=true", "prompts=2", "group_size=2", "checkpoint_every=1",
-        "rollout.max_tokens=16", "train.lr=1e-3",
-    ]  # fmt: skip
+RECALL = ["env.name=recall", "env.k=16", "strategy.name=evict_steps", "prompts=2", "group_size=2",
+          "checkpoint_every=1", "rollout.max_tokens=16", "train.lr=1e-3"]  # fmt: skip
+
+
+def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
+    """The recall study's shape: full-context SFT steps on demonstrations, then steps of the
+    chosen objective under eviction, one optimizer; held-out accuracy before and after."""
+    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective=sft", "eval_episodes=4"]
     cfg = load_config(TrainConfig, None, args)
     rows = []
     train(cfg, on_step=rows.append)
-    assert [r["phase"] for r in rows] == ["sft", "sft", "sft", "rl"]
+    assert [r["phase"] for r in rows] == ["sft", "sft", "sft", "sft_evicted", "sft_evicted"]
     assert rows[2]["loss"] < rows[0]["loss"]  # the demonstrations are being learned
-    assert rows[3]["errors"] == 0 and rows[3]["compactions"] == 1.0  # the assignment was evicted
+    summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
+    for when in ("before", "after"):
+        assert summary[f"eval_{when}"]["episodes"] == 4 and summary[f"eval_{when}"]["greedy"]
+        assert summary[f"recall_accuracy_{when}"] == summary[f"eval_{when}"]["success_rate"]
+    assert summary["last_step"]["step"] == 5 and summary["cpu_s"] > 0
     with pytest.raises(ConfigError, match="evict_steps"):
         load_config(TrainConfig, None, [*args, "strategy.name=sliding_window"])  # demos can't replay it
+
+    for objective in ("rl", "rft", "distill"):
+        rows = []
+        more = [
+            "steps=3",
+            "sft_steps=2",
+            f"objective={objective}",
+            "rft_min_reward=0",
+            "advantage=loo",
+            "chance=0.2",
+        ]
+        cfg = load_config(TrainConfig, None, [f"out={tmp_path / objective}", *RECALL, *more])
+        train(cfg, on_step=rows.append)
+        assert rows[2]["phase"] == "rl" and rows[2]["errors"] == 0 and rows[2]["compactions"] == 1.0
+        assert rows[2]["trained_tokens"] > 0 and rows[2]["grad_norm"] > 0  # rft: all clear 0; loo: chance
+    with pytest.raises(ConfigError, match="mode = 'stream'"):
+        load_config(TrainConfig, None, [*RECALL, "objective=distill", "mode=reprefill"])

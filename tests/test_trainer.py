@@ -121,8 +121,9 @@ def test_distillation_is_the_kl_from_the_full_context_pass(tiny_lm):
     with torch.no_grad():
         for t in traces:
             tok, pos = torch.as_tensor(t.tokens), torch.arange(len(t))
-            views = [torch.log_softmax(model(tok, pos, dense_mask(torch.as_tensor(u.evict_at)))[0].double(), -1)
-                     for u in (full_context(t), t)]  # fmt: skip
+            masks = [dense_mask(torch.as_tensor(u.evict_at)) for u in (full_context(t), t)]
+            logits = [model(tok, pos, m)[0] for m in masks]
+            views = [torch.log_softmax(x.double(), -1) for x in logits]
             kl = (views[0].exp() * (views[0] - views[1])).sum(-1)  # row i predicts token i + 1
             m = torch.as_tensor(t.trainable)[1:]
             expected += float(kl[:-1][m].sum())

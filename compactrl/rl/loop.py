@@ -55,10 +55,11 @@ class TrainConfig(BaseModel):
     steps: int = Field(40, ge=1)
     prompts: int = Field(4, ge=1, description="env seeds per step")
     group_size: int = Field(4, ge=1, description="rollouts per env seed")
-    objective: Literal["rl", "rft", "distill"] = Field(
+    objective: Literal["rl", "rft", "distill", "sft"] = Field(
         "rl",
-        description="rl: policy gradient with `advantage`; rft: SFT on rollouts scoring >= rft_min_reward; "
-        "distill: KL from the full-context model to itself under the evictions, on its own rollouts",
+        description="after the sft_steps warm-up — rl: policy gradient with `advantage`; rft: SFT on "
+        "rollouts scoring >= rft_min_reward; distill: KL from the full-context model to itself under the "
+        "evictions, on its own rollouts; sft: demonstrations under the evict_steps strategy's evictions",
     )
     rft_min_reward: float = 1.0
     advantage: Literal["group", "loo", "gae"] = "group"
@@ -68,19 +69,20 @@ class TrainConfig(BaseModel):
     normalize_std: bool = True
     chance: float | None = Field(None, ge=0, le=1, description="loo: score all-equal batches against this")
     checkpoint_every: int = Field(10, ge=1)
+    eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
     seed: int = 0
     threads: int = Field(1, ge=1)
     out: str = "runs/train"
-    sft_steps: int = Field(0, ge=0, description="the first steps are SFT on demonstrations")
-    sft_under_eviction: bool = Field(False, description="demos with the evict_steps strategy's evictions")
+    sft_steps: int = Field(0, ge=0, description="the first steps are SFT on full-context demonstrations")
 
     @model_validator(mode="after")
     def _sft(self):
         if self.sft_steps > self.steps:
             raise ValueError(f"sft_steps {self.sft_steps} > steps {self.steps}: steps counts SFT steps too")
-        if self.sft_under_eviction and self.strategy.name != "evict_steps":
+        if self.objective == "sft" and self.strategy.name != "evict_steps":
             raise ValueError(
-                "sft_under_eviction replays the evict_steps strategy; set strategy.name = 'evict_steps'"
+                "objective = 'sft' replays the evict_steps strategy on demonstrations; "
+                "set strategy.name = 'evict_steps'"
             )
         return self
 
@@ -150,18 +152,19 @@ def _reference(cfg: TrainConfig, model, run_dir: Path, fresh: bool):
     return load_model(folder, dtype=cfg.model.dtype).eval().requires_grad_(False)
 
 
-def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, env_seeds: list[int]) -> dict:
+def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, env_seeds: list[int],
+              evicted: bool) -> dict:  # fmt: skip
     env = make_env(cfg.env)
     if not hasattr(env, "demo_action"):
         raise ValueError(f"sft_steps needs demonstrations; the {cfg.env.name} env has no demo_action()")
-    evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if cfg.sft_under_eviction else None
+    evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if evicted else None
     seeds = [s * cfg.group_size + g for s in env_seeds for g in range(cfg.group_size)]
     traces = [demo_trace(fmt, env, s, evict) for s in seeds]
     stats = trainer.step(
         [Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)], loss="sft"
     )
     keep = ("loss", "grad_norm", "trained_tokens", "train_s")
-    return {"step": step, "phase": "sft", **{k: stats[k] for k in keep}}
+    return {"step": step, "phase": "sft_evicted" if evicted else "sft", **{k: stats[k] for k in keep}}
 
 
 def _log(path: Path, writer, row: dict) -> None:
@@ -212,11 +215,18 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     writer = _tensorboard(run_dir)
     advance = progress(cfg.steps - start) if progress else (lambda: None)
     last: dict = {}
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
+    clock = (time.perf_counter(), time.process_time())
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+        if step == cfg.sft_steps + 1 and cfg.eval_episodes:
+            _record_eval(cfg, engine, summary, "before")
         if step <= cfg.sft_steps:  # supervised warm-up on demonstrations, same optimizer
-            last = _sft_step(cfg, fmt, trainer, step, env_seeds)
+            last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=False)
+        elif cfg.objective == "sft":
+            last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=True)
         else:
             if cfg.train.kl_ref and trainer.reference is None:
                 trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
@@ -229,7 +239,23 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         advance()
     if writer is not None:
         writer.close()
+    if cfg.eval_episodes and start < cfg.steps:
+        _record_eval(cfg, engine, summary, "after")
+    summary["wall_s"] = summary.get("wall_s", 0.0) + time.perf_counter() - clock[0]
+    summary["cpu_s"] = summary.get("cpu_s", 0.0) + time.process_time() - clock[1]
+    summary["last_step"] = last
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return last
+
+
+def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> None:
+    """Greedy held-out evaluation as RL starts (``before``) and when training ends (``after``);
+    for the recall task its success rate is the post-eviction recall accuracy."""
+    stats, _ = _held_out(cfg, engine, cfg.eval_episodes, greedy=True)
+    summary[f"eval_{when}"] = stats
+    if cfg.env.name == "recall":
+        summary[f"recall_accuracy_{when}"] = stats["success_rate"]
+    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _rl_step(
@@ -288,6 +314,26 @@ def _no_update() -> dict:
     return dict.fromkeys(zero, 0.0)
 
 
+def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[dict, list]:
+    """``episodes`` episodes on env seeds no training step uses, in the run's mode and strategy."""
+    settings = cfg.rollout.model_copy(update={"temperature": 0.0}) if greedy else cfg.rollout
+    seeds = [1_000_000_000 + cfg.seed + i for i in range(episodes)]
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    make = lambda: make_env(cfg.env)  # noqa: E731
+    strategy = build_strategy(cfg.strategy)
+    results = asyncio.run(run_episodes(engine, fmt, make, strategy, cfg.mode, settings, seeds, episodes))
+    engine.sessions = [s for s in engine.sessions if not s.closed]
+    rewards = np.array([r.reward for r in results])
+    stats = {
+        "episodes": episodes,
+        "greedy": greedy,
+        "mean_reward": float(rewards.mean()),
+        "success_rate": float((rewards >= 1.0).mean()),
+        "errors": sum(r.error is not None for r in results),
+    }
+    return stats, results
+
+
 def evaluate(
     cfg: TrainConfig, checkpoint: str | Path | None = None, episodes: int = 32, greedy: bool = False
 ) -> dict:
@@ -297,30 +343,8 @@ def evaluate(
     run_dir = Path(cfg.out)
     weights = Path(checkpoint) / "model" if checkpoint is not None else None
     engine = load_engine(cfg.model, cfg.engine, run_dir, weights)
-    settings = cfg.rollout.model_copy(update={"temperature": 0.0}) if greedy else cfg.rollout
-    seeds = [1_000_000_000 + cfg.seed + i for i in range(episodes)]  # never a training seed
-    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
-    results = asyncio.run(
-        run_episodes(
-            engine,
-            fmt,
-            lambda: make_env(cfg.env),
-            build_strategy(cfg.strategy),
-            cfg.mode,
-            settings,
-            seeds,
-            episodes,
-        )
-    )
+    stats, results = _held_out(cfg, engine, episodes, greedy)
     with open(run_dir / "eval.jsonl", "w") as f:
         for r in results:
             f.write(json.dumps(r.metrics()) + "\n")
-    rewards = np.array([r.reward for r in results])
-    return {
-        "checkpoint": str(checkpoint) if checkpoint else None,
-        "episodes": episodes,
-        "greedy": greedy,
-        "mean_reward": float(rewards.mean()),
-        "success_rate": float((rewards >= 1.0).mean()),
-        "errors": sum(r.error is not None for r in results),
-    }
+    return {"checkpoint": str(checkpoint) if checkpoint else None, **stats}
