@@ -113,11 +113,15 @@ def train_cmd(
     cfg = load_run_config(TrainConfig, config, overrides)
 
     def show(m: dict) -> None:
-        if not as_json:
-            out.print(
-                f"step {m['step']:>4}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
-                f"mismatch_kl {m['mismatch_kl']:.1e}  gen {m['generate_s']:.1f}s  train {m['train_s']:.1f}s"
-            )
+        if as_json:
+            return
+        if m["phase"] != "rl":  # supervised steps on demonstrations
+            out.print(f"step {m['step']:>4}  {m['phase']}  loss {m['loss']:.4f}  train {m['train_s']:.1f}s")
+            return
+        out.print(
+            f"step {m['step']:>4}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
+            f"mismatch_kl {m['mismatch_kl']:.1e}  gen {m['generate_s']:.1f}s  train {m['train_s']:.1f}s"
+        )
 
     try:
         with progress_bar("train") as progress:

@@ -1,6 +1,7 @@
 """`compactrl train`: the quickstart learns, and a crashed run resumes to the same result."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +125,32 @@ def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
         assert rows[2]["trained_tokens"] > 0 and rows[2]["grad_norm"] > 0  # rft: all clear 0; loo: chance
     with pytest.raises(ConfigError, match="mode = 'stream'"):
         load_config(TrainConfig, None, [*RECALL, "objective=distill", "mode=reprefill"])
+
+
+TRAIN_CONFIGS = sorted(
+    p
+    for d in ("train", "recall", "textworld")
+    for p in (Path(__file__).parent.parent / "configs" / d).glob("*.toml")
+)
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_shipped_train_configs_are_valid(path):
+    cfg = load_config(TrainConfig, path, [])
+    if path.parent.name == "textworld":  # each strategy ships in both modes, otherwise identical
+        twin = path.with_name(
+            path.stem.rsplit("_", 1)[0] + ("_reprefill" if cfg.mode == "stream" else "_stream")
+        )
+        other = load_config(TrainConfig, twin.with_suffix(".toml"), [])
+        assert other.mode != cfg.mode
+        assert other.model_dump(exclude={"mode", "out"}) == cfg.model_dump(exclude={"mode", "out"})
+
+
+@pytest.mark.parametrize("mode", ["stream", "reprefill"])
+def test_textworld_trains_with_compaction(tmp_path, mode):
+    small = ["steps=1", "prompts=1", "group_size=2", "eval_episodes=0", "rollout.max_turns=4",
+             "strategy.max_turns=2", f"env.cache_dir={tmp_path / 'tw'}", f"out={tmp_path / 'run'}"]  # fmt: skip
+    cfg = load_config(TrainConfig, f"configs/textworld/sliding_window_{mode}.toml", small)
+    last = train(cfg)
+    assert last["errors"] == 0 and last["compactions"] > 0 and last["trained_tokens"] > 0
+    assert (last["reprefilled_tokens"] > 0) == (mode == "reprefill")
