@@ -149,7 +149,7 @@ def test_shipped_train_configs_are_valid(path):
 @pytest.mark.parametrize("mode", ["stream", "reprefill"])
 def test_textworld_trains_with_compaction(tmp_path, mode):
     small = ["steps=1", "prompts=1", "group_size=2", "eval_episodes=0", "rollout.max_turns=4",
-             "strategy.max_turns=2", f"env.cache_dir={tmp_path / 'tw'}", f"out={tmp_path / 'run'}"]  # fmt: skip
+             "strategy.max_turns=2", f"env.cache_dir={tmp_path}/tw", f"out={tmp_path}/run"]  # fmt: skip
     cfg = load_config(TrainConfig, f"configs/textworld/sliding_window_{mode}.toml", small)
     last = train(cfg)
     assert last["errors"] == 0 and last["compactions"] > 0 and last["trained_tokens"] > 0
