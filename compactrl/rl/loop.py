@@ -74,6 +74,7 @@ class TrainConfig(BaseModel):
     threads: int = Field(1, ge=1)
     out: str = "runs/train"
     sft_steps: int = Field(0, ge=0, description="the first steps are SFT on full-context demonstrations")
+    sft_lr: float | None = Field(None, gt=0, description="learning rate of the SFT warm-up (None: train.lr)")
 
     @model_validator(mode="after")
     def _sft(self):
@@ -223,6 +224,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
         if step == cfg.sft_steps + 1 and cfg.eval_episodes:
             _record_eval(cfg, engine, summary, "before")
+        for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
+            group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
         if step <= cfg.sft_steps:  # supervised warm-up on demonstrations, same optimizer
             last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=False)
         elif cfg.objective == "sft":
