@@ -34,10 +34,15 @@ class FusedProjection:
 
     def __init__(self, attn: Attention):
         self.attn = attn
-        self.fusable = all(type(getattr(attn, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))
         self._ptrs: tuple[int, ...] = ()
         if self.fusable:
             self._repack()
+
+    @property
+    def fusable(self) -> bool:
+        """Plain linear projections; a wrapped one (a LoRA adapter injected later) runs unfused."""
+        a = self.attn
+        return type(a.q_proj) is nn.Linear and type(a.k_proj) is nn.Linear and type(a.v_proj) is nn.Linear
 
     def _params(self) -> list[nn.Parameter]:
         a = self.attn

@@ -89,7 +89,10 @@ def save_model(model: CausalLM, model_dir: str | Path, extra_config: dict | None
     """Write config.json + model.safetensors that both compactrl and transformers load."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    from compactrl.models.lora import has_lora, merged_state_dict
+
+    weights = merged_state_dict(model) if has_lora(model) else model.state_dict()
+    state = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, model_dir / "model.safetensors", metadata={"format": "pt"})

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compactrl.models.loading import save_model
+from compactrl.models.lora import has_lora
 
 STATE = "trainer_state.json"
 
@@ -115,13 +116,14 @@ def load_checkpoint(path: str | Path, model, optimizer: torch.optim.Optimizer,
     if not (path / STATE).is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint (no {STATE}); resume from a step_* folder")
     payload = json.loads((path / STATE).read_text())
-    weights = load_file(path / "model" / "model.safetensors")
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise ValueError(
-            f"{path}: checkpoint weights do not fit the model "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); resume with the run's own model"
-        )
+    if not has_lora(model):  # with adapters the base stays the run's initial model; they come as a module
+        weights = load_file(path / "model" / "model.safetensors")
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise ValueError(
+                f"{path}: checkpoint weights do not fit the model "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]}); resume with the run's own model"
+            )
     _load_optimizer(optimizer, load_file(path / "optimizer.safetensors"), payload["optimizer"])
     for name, module in (modules or {}).items():
         module.load_state_dict(load_file(path / f"{name}.safetensors"))

@@ -34,6 +34,7 @@ from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.models.loading import load_model, save_model
+from compactrl.models.lora import Adapters
 from compactrl.rl.advantages import cross_segment_gae, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from compactrl.rl.critic import ValueHead
@@ -201,8 +202,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
     strategy = build_strategy(cfg.strategy)
     head = ValueHead(model.config.hidden_size) if cfg.advantage == "gae" else None
-    modules = {"value_head": head} if head is not None else None
-    trainer = Trainer(model, cfg.train, head)
+    trainer = Trainer(model, cfg.train, head)  # injects the LoRA adapters when asked
+    modules = {"value_head": head} if head is not None else {}
+    if cfg.train.lora:  # the base stays the initial model; checkpoints carry the adapters
+        modules["lora"] = Adapters(model)
     start = 0
     if resume:
         ckpt = latest_checkpoint(run_dir)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.masks import pack_greedy
 from compactrl.models.decoder import CausalLM
+from compactrl.models.lora import LoraSettings, add_lora, has_lora
 from compactrl.rl.forward import Backend, full_context, stream_logprobs, stream_topk
 from compactrl.rl.losses import Norm, pg_per_token
 from compactrl.trace import Trace
@@ -49,6 +50,7 @@ class TrainSettings(BaseModel):
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
     backend: Backend = "chunked"
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters (peft) on a frozen base")
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Trainer:
 
     def __init__(self, model: CausalLM, settings: TrainSettings, value_head: torch.nn.Module | None = None,
                  reference: CausalLM | None = None):  # fmt: skip
+        if settings.lora is not None and not has_lora(model):
+            add_lora(model, settings.lora)
         self.model, self.settings, self.value_head, self.reference = model, settings, value_head, reference
         heads = list(value_head.parameters()) if value_head is not None else []
         self.params = [p for p in model.parameters() if p.requires_grad] + heads

@@ -1,0 +1,69 @@
+"""LoRA via peft: adapters start as the identity, train alone, run in the engine (which drops
+its fused projection for them), and export as a plain merged Hugging Face model."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import engine_traces, samples_of
+
+from compactrl.models.loading import load_model, save_model
+from compactrl.models.lora import Adapters, LoraSettings, add_lora, has_lora
+from compactrl.rl.forward import stream_logprobs
+from compactrl.rl.trainer import Trainer, TrainSettings
+
+pytest.importorskip("peft")
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens), torch.arange(len(tokens)))
+
+
+def test_adapters_train_alone_run_in_the_engine_and_merge(tiny_lm, tmp_path):
+    model = copy.deepcopy(tiny_lm)
+    traces = engine_traces(model, n=2, seed=11)  # engine with its fused projection, before LoRA
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens = traces[0].tokens
+    before = logits(model, tokens)
+    trainer = Trainer(model, TrainSettings(lr=1e-2, lora=LoraSettings(r=4)))
+    assert has_lora(model) and torch.equal(logits(model, tokens), before)  # B = 0: the identity
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    for _ in range(2):
+        trainer.step(samples_of(traces))
+    after = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # the base is frozen
+    assert (logits(model, tokens) - before).abs().max() > 1e-3  # the adapters moved the outputs
+
+    fresh = engine_traces(model, n=2, seed=12)  # a new engine on the adapted model samples with LoRA
+    stats = trainer.backward(samples_of(fresh))
+    assert stats["mismatch_kl"] < 1e-6 and stats["mismatch_max_abs"] < 5e-5
+    plain = copy.deepcopy(tiny_lm)
+    with torch.no_grad():
+        ignored = stream_logprobs(plain, fresh)[0][torch.as_tensor(fresh[0].trainable)]
+    engine_lp = torch.as_tensor(fresh[0].logprobs[fresh[0].trainable], dtype=torch.float32)
+    assert (ignored - engine_lp).abs().max() > 1e-3  # negative control: without the adapters
+
+    save_model(model, tmp_path / "merged")  # a plain HF folder with the adapters merged in
+    merged = load_model(tmp_path / "merged")
+    assert not has_lora(merged)
+    torch.testing.assert_close(logits(merged, tokens), logits(model, tokens), atol=1e-5, rtol=0)
+
+
+def test_adapter_checkpoint_state_round_trips_and_names_a_mismatch(tiny_lm):
+    a, b = copy.deepcopy(tiny_lm), copy.deepcopy(tiny_lm)
+    add_lora(a, LoraSettings(r=4, targets=("q_proj", "v_proj")))
+    add_lora(b, LoraSettings(r=4, targets=("q_proj", "v_proj")))
+    state = {k: torch.randn_like(v) for k, v in Adapters(a).state_dict().items()}
+    Adapters(a).load_state_dict(state)
+    Adapters(b).load_state_dict(Adapters(a).state_dict())
+    tokens = np.arange(3, 40)
+    torch.testing.assert_close(logits(a, tokens), logits(b, tokens), atol=0, rtol=0)
+    c = copy.deepcopy(tiny_lm)
+    add_lora(c, LoraSettings(r=4, targets=("q_proj",)))
+    with pytest.raises(ValueError, match="lora settings"):
+        Adapters(c).load_state_dict(state)
+    with pytest.raises(ValueError, match="not projections"):
+        LoraSettings(targets=("qkv",))
