@@ -32,11 +32,13 @@ class Crash(Exception):
     pass
 
 
-def test_a_crashed_run_resumes_to_the_same_result(tmp_path):
-    straight = load_config(TrainConfig, "configs/quickstart.toml", [f"out={tmp_path / 'a'}", *QUICK])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_crashed_run_resumes_to_the_same_result(tmp_path, lora):
+    extra = ["train.lora.r=4", "train.lr=3e-2"] if lora else []  # LoRA: adapters only, resumed from them
+    straight = load_config(TrainConfig, "configs/quickstart.toml", [f"out={tmp_path / 'a'}", *QUICK, *extra])
     expected = train(straight)
 
-    crashing = load_config(TrainConfig, "configs/quickstart.toml", [f"out={tmp_path / 'b'}", *QUICK])
+    crashing = load_config(TrainConfig, "configs/quickstart.toml", [f"out={tmp_path / 'b'}", *QUICK, *extra])
 
     def crash(m):
         if m["step"] == 5:  # after the step-4 checkpoint, mid-way to the next
@@ -54,6 +56,10 @@ def test_a_crashed_run_resumes_to_the_same_result(tmp_path):
     assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(a.parameters(), b.parameters()))
     rows = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(1, 9))  # the crashed step 5 was not logged twice
+    first = load_model(tmp_path / "a" / "model")  # the initial model: the checkpoints moved away from it
+    assert any((p - q).abs().max() > 1e-3 for p, q in zip(a.parameters(), first.parameters()))
+    if lora:
+        assert (tmp_path / "b" / "checkpoints" / "step_00000008" / "lora.safetensors").is_file()
 
 
 def test_resume_refuses_a_changed_config_or_a_missing_checkpoint(tmp_path):

@@ -189,6 +189,7 @@ def _tensorboard(run_dir: Path):
 def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -> dict:
     """Run (or resume) training; returns the last step's metrics."""
     torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)  # initialises what the run creates (critic, LoRA adapters) reproducibly
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = run_dir / "config.json"
