@@ -50,19 +50,18 @@ class _ChunkedAttention(torch.autograd.Function):
             for c in mask.chunks:
                 leaves = [x.detach().requires_grad_() for x in _gather(q.detach(), k.detach(), v.detach(), c)]
                 graphs.append((c, leaves, _sdpa(*leaves, c)))
-        ctx.graphs, ctx.shapes = graphs, (q.shape, k.shape, v.shape)
+        ctx.graphs, ctx.inputs = graphs, [(x.shape, x.dtype) for x in (q, k, v)]
         return torch.cat([g[2].detach() for g in graphs], dim=2)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_shape, k_shape, v_shape = ctx.shapes
-        dq = grad_out.new_empty(q_shape)
-        dk, dv = grad_out.new_zeros(k_shape), grad_out.new_zeros(v_shape)
+        # each gradient in its input's dtype (under autocast q, k, v and the output may differ)
+        dq, dk, dv = (grad_out.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.inputs)
         for c, leaves, out in ctx.graphs:
-            gq, gk, gv = torch.autograd.grad(out, leaves, grad_out[:, :, c.q_start : c.q_end])
+            gq, gk, gv = torch.autograd.grad(out, leaves, grad_out[:, :, c.q_start : c.q_end].to(out.dtype))
             dq[:, :, c.q_start : c.q_end] = gq
-            dk.index_add_(2, c.keys, gk)
-            dv.index_add_(2, c.keys, gv)
+            dk.index_add_(2, c.keys, gk.to(dk.dtype))
+            dv.index_add_(2, c.keys, gv.to(dv.dtype))
         ctx.graphs = None
         return dq, dk, dv, None
 

@@ -50,6 +50,9 @@ class TrainSettings(BaseModel):
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
     backend: Backend = "chunked"
+    precision: Literal["float32", "bfloat16"] = Field(
+        "float32", description="bfloat16: autocast forward/backward (engine/trainer mismatch grows)"
+    )
     lora: LoraSettings | None = Field(None, description="train LoRA adapters (peft) on a frozen base")
 
 
@@ -99,6 +102,11 @@ class Trainer:
             weight_decay=settings.weight_decay,
         )
 
+    def _autocast(self, s: TrainSettings):
+        """bfloat16 compute for the policy forward and backward; weights and AdamW stay float32."""
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=s.precision == "bfloat16")
+
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         return pack_greedy([s.trace for s in samples], self.settings.micro_batch_tokens)
 
@@ -135,7 +143,8 @@ class Trainer:
                 teacher = stream_topk(self.model, [full_context(t) for t in traces], s.distill_top_k, **fwd)
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
-            out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates, **fwd)
+            with self._autocast(s):
+                out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates, **fwd)
             logps, values = out if critic is not None else (out, [None] * len(mb))
             if candidates is not None:  # column 0 is the trace's own token, the rest the teacher's
                 student, logps = [c[:, 1:] for c in logps], [c[:, 0] for c in logps]
