@@ -12,7 +12,7 @@ from compactrl.compaction import SlidingWindow as SlidingWindowConfig
 from compactrl.compaction.pick import Pick
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import EnvError, guarded
-from compactrl.envs.textworld_env import TextWorldEnv, game_path
+from compactrl.envs.textworld_env import TextWorldEnv, game_command, game_path
 from compactrl.models.tiny import write_tiny_model
 
 pytest.importorskip("textworld")
@@ -45,9 +45,12 @@ def test_textworld_game_is_generated_once_and_played(tmp_path):
     assert path.stat().st_mtime_ns == stamp  # cached, not regenerated
     commands = first.observation.split("Admissible commands: ")[1].split(", ")
     assert "take coin" in commands
-    step = env.step("take coin")
+    for garbage in ("\\x\\n\\q look", "\\", "\x01\t\u00e9"):  # interpreter escapes once crashed the process
+        assert not env.step(garbage).done
+    step = env.step("  take coin \nand more")
     assert step.reward == 1.0 and step.done and step.info["won"]
     env.close()
+    assert [game_command(a) for a in ("\\", " go\\x north\n x", "")] == ["look", "gox north", "look"]
 
 
 def test_textworld_rejects_unknown_settings(tmp_path):

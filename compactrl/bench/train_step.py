@@ -14,7 +14,6 @@ Both train exactly the same policy tokens (checked); the re-prefill step forward
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import statistics
 import tempfile
@@ -25,14 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compactrl.agent.batch import load_engine, run_episodes
+from compactrl.agent.batch import load_engine
 from compactrl.agent.chat import ChatFormat
 from compactrl.bench.trainer import machine_info
 from compactrl.compaction import build_strategy
-from compactrl.envs import make_env
 from compactrl.models.loading import config_summary
 from compactrl.rl.forward import reprefill_segments
 from compactrl.rl.loop import TrainConfig, step_advantages
+from compactrl.rl.sampler import sample_batch
 from compactrl.rl.trainer import Sample, Trainer
 from compactrl.trace import Trace
 
@@ -67,13 +66,8 @@ def run_train_step_bench(
     with tempfile.TemporaryDirectory() as tmp:
         engine = load_engine(cfg.model, cfg.engine, Path(tmp))
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
-    seeds = [cfg.seed + j for j in range(cfg.prompts) for _ in range(cfg.group_size)]
-    results = asyncio.run(
-        run_episodes(
-            engine, fmt, lambda: make_env(cfg.env), build_strategy(cfg.strategy), "stream", cfg.rollout,
-            seeds, len(seeds), sample_seeds=[1_000_003 * s + i for i, s in enumerate(seeds)],
-        )
-    )  # fmt: skip
+    stream = cfg.model_copy(update={"mode": "stream"})
+    results = sample_batch(stream, engine, fmt, build_strategy(cfg.strategy), 1)
     failed = [r.error for r in results if r.error is not None]
     if failed:
         raise ValueError(f"{len(failed)} rollouts failed, e.g. {failed[0]}")

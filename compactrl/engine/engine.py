@@ -17,6 +17,7 @@ after an update is recomputed with the new weights.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -70,6 +71,9 @@ class Engine:
         self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
         self.segments: set[Segment] = set()
         self.tick = 0
+        self.weights_version = 0  # weight loads applied (update_weights / stage_weights)
+        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+        self._staged_lock = threading.Lock()
         self.totals = {"steps": 0, "forward_s": 0.0, "peak_kv_tokens": 0}
 
     @classmethod
@@ -269,6 +273,7 @@ class Engine:
     def step(self) -> int:
         """One batched forward over the active sessions; returns the number of tokens fed."""
         self.tick += 1
+        self.load_staged()
         for s in list(self.active):
             self._apply_drops(s)
         ready = [s for s in self.active if s.generating and s.unfed == 0 and s.pending_logits is not None]
@@ -354,9 +359,7 @@ class Engine:
 
     # ---- weights and metrics -----------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        """Load new weights in flight (all or a subset, HF names); live sessions keep their old-weight
-        KV. Everything is checked before anything is copied. Returns the number of tensors loaded."""
+    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         unknown = sorted(set(state_dict) - set(params))
         if unknown:
@@ -364,9 +367,33 @@ class Engine:
         for name, t in state_dict.items():
             if tuple(t.shape) != tuple(params[name].shape):
                 raise ValueError(f"{name}: shape {tuple(t.shape)} != the model's {tuple(params[name].shape)}")
-        for name, t in state_dict.items():
-            params[name].copy_(t)
+        return params
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+        """Load new weights in flight (all or a subset, HF names); live sessions keep their old-weight
+        KV. Everything is checked before anything is copied. Returns the number of tensors loaded."""
+        params = self._check_weights(state_dict)
+        with torch.no_grad():
+            for name, t in state_dict.items():
+                params[name].copy_(t)
+        self.weights_version += 1
         return len(state_dict)
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Hand over weights ``version`` from another thread (a trainer); the engine loads the newest
+        before its next step, between two forwards, so sessions continue on them with their KV."""
+        self._check_weights(state_dict)
+        with self._staged_lock:
+            self._staged = (state_dict, version)
+
+    def load_staged(self) -> bool:
+        """Load weights handed over by :meth:`stage_weights`, if any (the engine's own thread)."""
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self.update_weights(staged[0])
+            self.weights_version = staged[1]
+        return staged is not None
 
     def metrics(self) -> dict:
         per = [asdict(s.metrics) for s in self.sessions]

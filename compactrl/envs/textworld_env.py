@@ -89,6 +89,15 @@ def make_game(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Pat
     return path
 
 
+def game_command(action: str) -> str:
+    """The command the interpreter gets: the action's first line, printable ASCII only. The Z-machine
+    interpreter (dumb-frotz) reads a backslash as the start of one of its own commands, and some of
+    those crash the process, so a sampled backslash must never reach it."""
+    line = action.strip().splitlines()[0] if action.strip() else ""
+    line = "".join(c for c in line if " " <= c <= "~" and c != "\\").strip()
+    return line or "look"
+
+
 class TextWorldEnv:
     name = "textworld"
 
@@ -136,8 +145,7 @@ class TextWorldEnv:
     def step(self, action: str) -> Step:
         if self.env is None:
             raise RuntimeError("call reset() before step()")
-        command = action.strip().splitlines()[0] if action.strip() else "look"
-        gs, _, done = self.env.step(command)
+        gs, _, done = self.env.step(game_command(action))
         reward, self.score = gs.score - self.score, gs.score
         info = {"score": gs.score, "max_score": gs.max_score, "won": bool(gs.won), "lost": bool(gs.lost)}
         return Step(self._observe(gs), reward=float(reward), done=bool(done), info=info)

@@ -40,6 +40,7 @@ from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_che
 from compactrl.rl.critic import ValueHead
 from compactrl.rl.demos import demo_trace
 from compactrl.rl.forward import stream_logprobs
+from compactrl.rl.sampler import BackgroundSampler, sample_batch
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
 
 
@@ -69,6 +70,10 @@ class TrainConfig(BaseModel):
     gae_form: Literal["exact", "parallel"] = Field("exact", description="gae across re-prefill segments")
     normalize_std: bool = True
     chance: float | None = Field(None, ge=0, le=1, description="loo: score all-equal batches against this")
+    max_lag: int = Field(
+        0, ge=0, description="0: sample each batch with the current weights; N: sample ahead in a thread, "
+        "weights pushed in flight after each step, batches older than N updates dropped",
+    )
     checkpoint_every: int = Field(10, ge=1)
     eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
     seed: int = 0
@@ -207,12 +212,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     modules = {"value_head": head} if head is not None else {}
     if cfg.train.lora:  # the base stays the initial model; checkpoints carry the adapters
         modules["lora"] = Adapters(model)
-    start = 0
+    start = data_position = 0  # data_position: the last batch of env seeds trained on
+    sampler = None
     if resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        start = load_checkpoint(ckpt, model, trainer.optimizer, modules)["step"]
+        loaded = load_checkpoint(ckpt, model, trainer.optimizer, modules)
+        start, data_position = loaded["step"], loaded["state"].get("data_position", loaded["step"])
     metrics_path = run_dir / "metrics.jsonl"
     if metrics_path.exists():  # keep only the steps the checkpoint covers
         kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
@@ -223,27 +230,35 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
     clock = (time.perf_counter(), time.process_time())
-    for step in range(start + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
-        if step == cfg.sft_steps + 1 and cfg.eval_episodes:
-            _record_eval(cfg, engine, summary, "before")
-        for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
-            group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
-        if step <= cfg.sft_steps:  # supervised warm-up on demonstrations, same optimizer
-            last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=False)
-        elif cfg.objective == "sft":
-            last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=True)
-        else:
-            if cfg.train.kl_ref and trainer.reference is None:
-                trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
-            last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, env_seeds, t0)
-        _log(metrics_path, writer, last)
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(run_dir, step, model, trainer.optimizer, {"data_position": step}, modules)
-        if on_step is not None:
-            on_step(last)
-        advance()
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            if step == cfg.sft_steps + 1 and cfg.eval_episodes:
+                _record_eval(cfg, engine, summary, "before")
+            for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
+                group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
+            if step <= cfg.sft_steps or cfg.objective == "sft":  # demonstrations, the same optimizer
+                env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+                last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=step > cfg.sft_steps)
+                data_position = step
+            else:
+                if cfg.train.kl_ref and trainer.reference is None:
+                    trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
+                if cfg.max_lag and sampler is None:  # sample ahead from here on, on the engine's own copy
+                    first = data_position + 1
+                    sampler = BackgroundSampler(cfg, model, engine.tokenizer, fmt, strategy, first)
+                last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, sampler, t0)
+                data_position = sampler.next_index - 1 if sampler is not None else step
+            _log(metrics_path, writer, last)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                state = {"data_position": data_position}
+                save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules)
+            if on_step is not None:
+                on_step(last)
+            advance()
+    finally:
+        if sampler is not None:
+            sampler.close()
     if writer is not None:
         writer.close()
     if cfg.eval_episodes and start < cfg.steps:
@@ -265,25 +280,15 @@ def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> None:
     (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _rl_step(
-    cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, step: int, env_seeds, t0
-) -> dict:
-    """Sample ``group_size`` rollouts per env seed, compute advantages, take one step."""
-    seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
-    sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
-    results = asyncio.run(
-        run_episodes(
-            engine,
-            fmt,
-            lambda: make_env(cfg.env),
-            strategy,
-            cfg.mode,
-            cfg.rollout,
-            seeds,
-            len(seeds),
-            sample_seeds=sample_seeds,
-        )
-    )
+def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, step: int, sampler, t0) -> dict:
+    """Take a batch (sampled now, or ahead by the background sampler), compute advantages, take
+    one optimizer step, and hand the new weights to the background sampler's engine."""
+    lag = dropped = 0
+    if sampler is None:
+        results = sample_batch(cfg, engine, fmt, strategy, step)
+    else:
+        batch, dropped = sampler.get()
+        results, lag = batch.results, sampler.pushed - batch.version
     t1 = time.perf_counter()
     rewards = np.array([r.reward for r in results])
     loss = {"rl": "pg", "rft": "sft", "distill": "distill"}[cfg.objective]
@@ -295,7 +300,9 @@ def _rl_step(
         samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces
                    if cfg.objective != "rft" or r.reward >= cfg.rft_min_reward]  # fmt: skip
     stats = trainer.step(samples, loss) if samples else _no_update()
-    engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
+    t2 = time.perf_counter()
+    if sampler is not None:
+        sampler.push(trainer.model)
     last = {
         "step": step,
         "phase": "rl",
@@ -307,9 +314,11 @@ def _rl_step(
         "compactions": float(np.mean([r.compactions for r in results])),
         "reprefilled_tokens": float(np.mean([r.reprefilled_tokens for r in results])),
         **{k: v for k, v in stats.items() if k != "train_s"},
-        "generate_s": t1 - t0,
+        "generate_s": t1 - t0,  # with a background sampler: the wait for its batch
         "train_s": stats["train_s"],
-        "sync_s": 0.0,  # shared model: the engine reads the updated parameters in place
+        "sync_s": time.perf_counter() - t2,  # 0 when the engine shares the trainer's model
+        "lag": lag,
+        "dropped_batches": dropped,
     }
     return last
 
