@@ -72,8 +72,9 @@ def test_resume_refuses_a_changed_config_or_a_missing_checkpoint(tmp_path):
     )
     with pytest.raises(ValueError, match="differs"):
         train(other, resume=True)
-    with pytest.raises(ConfigError, match="temperature = 1"):
-        load_config(TrainConfig, None, ["rollout.temperature=0.7"])
+    for bad in ("rollout.temperature=0", "rollout.top_p=0.9", "rollout.top_k=5"):
+        with pytest.raises(ConfigError, match="top_p = 1, top_k = 0"):
+            load_config(TrainConfig, None, [bad])
 
 
 @pytest.mark.parametrize("mode", ["stream", "reprefill"])

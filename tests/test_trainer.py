@@ -162,3 +162,18 @@ def test_bfloat16_autocast_trains_close_to_float32_with_a_visible_mismatch(tiny_
     f32, bf16 = runs["float32"], runs["bfloat16"]
     assert f32["mismatch_kl"] < 1e-9 < bf16["mismatch_kl"] < 1e-2  # bf16 rounding shows, but small
     assert float(f32["grad"] @ bf16["grad"]) > 0.95  # the same direction
+
+
+def test_tempered_rollouts_match_the_trainer_at_their_temperature(tiny_lm):
+    model = copy.deepcopy(tiny_lm)
+    eng = Engine(model, None, EngineConfig(kv_pool_tokens=10_000))
+    s = eng.session("hot")
+    s.append(list(range(3, 30)))
+    s.generate(SamplingParams(max_tokens=16, seed=1, temperature=1.7, ignore_eos=True))
+    eng.run()
+    trace = s.trace()
+    sample = [Sample(trace, np.ones(len(trace), np.float32))]
+    assert Trainer(model, TrainSettings(), temperature=1.7).backward(sample)["mismatch_max_abs"] < 5e-5
+    assert Trainer(model, TrainSettings()).backward(sample)["mismatch_max_abs"] > 0.1  # untempered: not it
+    with pytest.raises(ValueError, match="temperature > 0"):
+        Trainer(model, TrainSettings(), temperature=0.0)

@@ -172,10 +172,11 @@ class CausalLM(nn.Module):
 
 
 def token_logprobs(
-    lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
+    lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024, temperature: float = 1.0
 ) -> torch.Tensor:
     """``log p(targets[n] | hidden[n])`` in float32 (float64 for a float64 model), ``chunk`` rows at a time.
-    ``targets`` of shape ``[n, m]`` scores ``m`` candidate tokens per row (``[n, m]`` out).
+    ``targets`` of shape ``[n, m]`` scores ``m`` candidate tokens per row (``[n, m]`` out). With a
+    ``temperature`` it is ``softmax(logits / temperature)``, the distribution a tempered sampler drew from.
 
     Never holds more than a ``[chunk, vocab]`` float32 logits tensor: under autograd each chunk
     is recomputed in backward instead of stored.
@@ -186,6 +187,8 @@ def token_logprobs(
     def one(h, t):
         logits = lm.lm_head(h)
         logits = logits if logits.dtype == torch.float64 else logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         if t.dim() == 2:
             return logits.gather(-1, t) - lse

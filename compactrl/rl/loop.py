@@ -105,12 +105,12 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _untempered(self):
+    def _sampled(self):
         r = self.rollout
-        if r.temperature != 1.0 or r.top_p < 1.0 or r.top_k > 0:
+        if r.temperature <= 0 or r.top_p < 1.0 or r.top_k > 0:
             raise ValueError(
-                "training needs rollouts sampled from the model's own distribution (rollout.temperature = 1, "
-                "top_p = 1, top_k = 0): the trainer's log-probs are untempered and untruncated"
+                "training needs rollouts sampled from the whole (optionally tempered) distribution: "
+                "rollout.temperature > 0, top_p = 1, top_k = 0 (the trainer's log-probs are untruncated)"
             )
         return self
 
@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
     strategy = build_strategy(cfg.strategy)
     head = ValueHead(model.config.hidden_size) if cfg.advantage == "gae" else None
-    trainer = Trainer(model, cfg.train, head)  # injects the LoRA adapters when asked
+    trainer = Trainer(model, cfg.train, head, temperature=cfg.rollout.temperature)  # adds LoRA when asked
     modules = {"value_head": head} if head is not None else {}
     if cfg.train.lora:  # the base stays the initial model; checkpoints carry the adapters
         modules["lora"] = Adapters(model)

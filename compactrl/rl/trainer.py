@@ -89,7 +89,11 @@ class Trainer:
     """Trains the policy and, when given a ``value_head``, the critic on the same backbone."""
 
     def __init__(self, model: CausalLM, settings: TrainSettings, value_head: torch.nn.Module | None = None,
-                 reference: CausalLM | None = None):  # fmt: skip
+                 reference: CausalLM | None = None, temperature: float = 1.0):  # fmt: skip
+        """``temperature``: the rollouts' sampling temperature; the policy trained is the tempered one."""
+        if not temperature > 0:
+            raise ValueError(f"training needs a temperature > 0 (greedy has no gradient); got {temperature}")
+        self.temperature = temperature
         if settings.lora is not None and not has_lora(model):
             add_lora(model, settings.lora)
         self.model, self.settings, self.value_head, self.reference = model, settings, value_head, reference
@@ -144,13 +148,14 @@ class Trainer:
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
             with self._autocast(s):
-                out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates, **fwd)
+                out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates,
+                                      temperature=self.temperature, **fwd)  # fmt: skip
             logps, values = out if critic is not None else (out, [None] * len(mb))
             if candidates is not None:  # column 0 is the trace's own token, the rest the teacher's
                 student, logps = [c[:, 1:] for c in logps], [c[:, 0] for c in logps]
             if s.kl_ref:
                 with torch.no_grad():
-                    ref_logps = stream_logprobs(self.reference, traces, **fwd)
+                    ref_logps = stream_logprobs(self.reference, traces, temperature=self.temperature, **fwd)
             loss = logps[0].new_zeros(())
             for k, lp, v in zip(mb, logps, values, strict=True):
                 t = samples[k].trace
