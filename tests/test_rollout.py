@@ -130,6 +130,25 @@ def test_recall_rewards_an_exact_unleaked_answer():
     assert env.step(f"Recall: {wrong}").reward == 0.0
 
 
+def test_recall_lists_candidates_in_a_drawn_order_and_prior_demos_hide_the_assignment():
+    env = RecallEnv(k=16)
+    orders = set()
+    for seed in range(20):
+        env.reset(seed)
+        question = env.step("1 2 3").observation
+        listed = question.split(": ", 1)[1].rstrip("?").split(", ")
+        assert sorted(listed) == sorted(env.candidates)
+        orders.add(tuple(listed))
+    assert len(orders) > 10  # no fixed position to guess
+    prior = RecallEnv(k=16, prior_demos=0.5)
+    shown = [prior.demo_reset(seed).observation for seed in range(400)]
+    hidden = [o for o in shown if "Your fruit" not in o]
+    assert 150 < len(hidden) < 250 and all(o.startswith("Count upward") for o in hidden)
+    assert all(RecallEnv(k=16).demo_reset(seed).observation.startswith("Your fruit") for seed in range(50))
+    prior.demo_reset(next(s for s in range(400) if "Your fruit" not in shown[s]))
+    assert prior.answer in prior.candidates  # the demonstrated answer: a uniformly drawn candidate
+
+
 def test_rooms_asks_for_an_early_code():
     env = RoomsEnv(n_rooms=4, query_room=2)
     env.reset(seed=0)

@@ -6,6 +6,9 @@ answer ``Recall: <candidate>``. Only the KV of tokens fed while the assignment w
 carry it across the eviction. Reward 1 for an exact match after the eviction, with no candidate
 leaked into the decoded integers (a leak would let the model copy the answer).
 
+The question lists the candidates in an order drawn per episode, so no fixed position is a
+better guess than another and a model without the assignment is at chance on every assignment.
+
 Variants (our reading of the paper's names): ``fruit`` (the question lists the five fruits),
 ``actor`` (five actor names, listed) and ``tv-zero-support`` (five TV shows, and the question
 names none of them, so the answer has zero support in the visible context after the eviction).
@@ -33,27 +36,33 @@ _ANSWER = re.compile(r"^\s*Recall:\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 class RecallEnv:
     name = "recall"
 
-    def __init__(self, k: int = 64, variant: str = "fruit", answer_tokens: int = 16):
+    def __init__(self, k: int = 64, variant: str = "fruit", answer_tokens: int = 16, prior_demos: float = 0):
         if variant not in CANDIDATES:
             raise ValueError(f"recall variant {variant!r} unknown; choose one of {list(VARIANTS)}")
         if not 16 <= k <= 512:
             raise ValueError(f"recall k must be in [16, 512] decoded tokens, got {k}")
-        self.k, self.variant, self.answer_tokens = k, variant, answer_tokens
+        self.k, self.variant, self.answer_tokens, self.prior_demos = k, variant, answer_tokens, prior_demos
         self.kind, self.candidates = CANDIDATES[variant]
         self.answer: str | None = None
 
-    def reset(self, seed: int) -> Reset:
+    def reset(self, seed: int, assigned: bool = True) -> Reset:
         rng = random.Random(seed)
         self.answer = rng.choice(self.candidates)
         self.start = rng.randint(1, 100)
+        self.listed = rng.sample(self.candidates, len(self.candidates))  # the question's order
         self.leaked = False
         self.phase = 0
         task = (
             f"You will be assigned a {self.kind}. Then count upward, numbers separated by spaces. "
             f"Afterwards you will be asked for your {self.kind}; reply exactly 'Recall: <{self.kind}>'."
         )
-        obs = f"Your {self.kind} is {self.answer}. Count upward from {self.start}."
-        return Reset(task=task, observation=obs, max_tokens=self.k)
+        said = f"Your {self.kind} is {self.answer}. " if assigned else ""
+        return Reset(task=task, observation=f"{said}Count upward from {self.start}.", max_tokens=self.k)
+
+    def demo_reset(self, seed: int) -> Reset:
+        """A demonstration episode: with probability ``prior_demos`` no assignment is shown and the
+        demonstrated answer is a uniformly drawn candidate (what a model without it should guess)."""
+        return self.reset(seed, assigned=random.Random(-1 - seed).random() >= self.prior_demos)
 
     def step(self, action: str) -> Step:
         if self.answer is None:
@@ -64,7 +73,7 @@ class RecallEnv:
             if self.variant == "tv-zero-support":
                 question = f"Which {self.kind} were you assigned?"
             else:
-                question = f"Which {self.kind} were you assigned: {', '.join(self.candidates)}?"
+                question = f"Which {self.kind} were you assigned: {', '.join(self.listed)}?"
             return Step(question, max_tokens=self.answer_tokens, info={"leaked": self.leaked})
         m = _ANSWER.match(action)
         said = m.group(1) if m else None

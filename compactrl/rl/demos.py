@@ -19,7 +19,7 @@ from compactrl.trace import Trace
 def demo_trace(fmt: ChatFormat, env, seed: int, evict_steps: dict[int, list[int]] | None = None) -> Trace:
     """One demonstration episode. ``evict_steps`` maps an action number to the step indices
     deleted right after that action (before the reply is fed), as the ``evict_steps`` strategy does."""
-    reset = env.reset(seed)
+    reset = env.demo_reset(seed) if hasattr(env, "demo_reset") else env.reset(seed)
     tokens: list[int] = list(fmt.begin)
     trainable: list[bool] = [False] * len(tokens)
     roles: list[str] = ["system"] * len(tokens)
