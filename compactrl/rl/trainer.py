@@ -45,7 +45,7 @@ class TrainSettings(BaseModel):
     clip_high: float = Field(0.2, ge=0)
     max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
-    kl_ref: float = Field(0.0, ge=0, description="coefficient of the KL to the frozen reference model")
+    kl_ref: float = Field(0.0, ge=0, description="coefficient of the KL to the frozen reference (pg, distill)")
     distill_top_k: int = Field(16, ge=1, description="distill: the teacher's top-k tokens the KL covers")
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
@@ -132,7 +132,8 @@ class Trainer:
         if not samples:
             raise ValueError("a training step needs at least one sample")
         s = self.settings if loss is None else self.settings.model_copy(update={"loss": loss})
-        if s.kl_ref and self.reference is None:
+        use_ref = s.kl_ref > 0 and s.loss != "sft"  # it anchors policy updates, not SFT on demos
+        if use_ref and self.reference is None:
             raise ValueError("kl_ref > 0 needs a reference model: Trainer(..., reference=frozen copy)")
         self.model.train()
         weights = token_weights(samples, s.norm, s.norm_constant)
@@ -153,7 +154,7 @@ class Trainer:
             logps, values = out if critic is not None else (out, [None] * len(mb))
             if candidates is not None:  # column 0 is the trace's own token, the rest the teacher's
                 student, logps = [c[:, 1:] for c in logps], [c[:, 0] for c in logps]
-            if s.kl_ref:
+            if use_ref:
                 with torch.no_grad():
                     ref_logps = stream_logprobs(self.reference, traces, temperature=self.temperature, **fwd)
             loss = logps[0].new_zeros(())
@@ -188,7 +189,7 @@ class Trainer:
                 k3 = torch.exp(-d) + d - 1  # KL(sampler || trainer), k3 estimate, per token
                 if s.kl_sampling:
                     loss = loss + s.kl_sampling * (k3 * w[m]).sum()
-                if s.kl_ref:
+                if use_ref:
                     r = (ref_logps[mb.index(k)] - lp)[m]
                     ref_k3 = torch.exp(r) - r - 1  # KL(policy || reference), k3 on sampled tokens
                     loss = loss + s.kl_ref * (ref_k3 * w[m]).sum()
