@@ -45,7 +45,7 @@ class TrainSettings(BaseModel):
     clip_high: float = Field(0.2, ge=0)
     max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
-    kl_ref: float = Field(0.0, ge=0, description="coefficient of the KL to the frozen reference (pg, distill)")
+    kl_ref: float = Field(0.0, ge=0, description="weight of the KL to the frozen reference (pg, distill)")
     distill_top_k: int = Field(16, ge=1, description="distill: the teacher's top-k tokens the KL covers")
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
