@@ -126,7 +126,7 @@ def train_cmd(
     try:
         with progress_bar("train") as progress:
             last = train(cfg, resume=resume, progress=progress, on_step=show)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ImportError, ValueError) as e:
         fail(str(e))
     if as_json:
         emit_json(last)

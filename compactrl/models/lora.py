@@ -34,7 +34,10 @@ class LoraSettings(BaseModel):
 
 def add_lora(model: torch.nn.Module, settings: LoraSettings) -> None:
     """Inject adapters in place (``B = 0``: the model's outputs are unchanged) and freeze the base."""
-    from peft import LoraConfig, inject_adapter_in_model
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as e:
+        raise ImportError("train.lora needs peft: pip install 'compactrl[lora]' (or pip install peft)") from e
 
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.targets))  # fmt: skip
