@@ -60,8 +60,9 @@ class TrainConfig(BaseModel):
     objective: Literal["rl", "rft", "distill", "sft"] = Field(
         "rl",
         description="after the sft_steps warm-up — rl: policy gradient with `advantage`; rft: SFT on "
-        "rollouts scoring >= rft_min_reward; distill: KL from the full-context model to itself under the "
-        "evictions, on its own rollouts; sft: demonstrations under the evict_steps strategy's evictions",
+        "rollouts scoring >= rft_min_reward; distill: KL from the frozen full-context reference (the "
+        "policy as the phase begins) to the policy under the evictions, on its own rollouts; sft: "
+        "demonstrations under the evict_steps strategy's evictions",
     )
     rft_min_reward: float = 1.0
     advantage: Literal["group", "loo", "gae"] = "group"
@@ -146,7 +147,7 @@ def _gae_samples(cfg: TrainConfig, model, head: ValueHead, results) -> list[Samp
 
 
 def _reference(cfg: TrainConfig, model, run_dir: Path, fresh: bool):
-    """The frozen reference of ``train.kl_ref``: the policy as RL begins (after any SFT steps),
+    """The frozen reference of ``train.kl_ref`` and the distillation teacher: the policy as RL begins,
     kept in ``run_dir/reference`` so that a resumed run penalises the distance to the same model."""
     folder = run_dir / "reference"
     if fresh:
@@ -242,7 +243,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
                 last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=step > cfg.sft_steps)
                 data_position = step
             else:
-                if cfg.train.kl_ref and trainer.reference is None:
+                if (cfg.train.kl_ref or cfg.objective == "distill") and trainer.reference is None:
                     trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
                 if cfg.max_lag and sampler is None:  # sample ahead from here on, on the engine's own copy
                     first = data_position + 1

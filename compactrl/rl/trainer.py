@@ -144,8 +144,10 @@ class Trainer:
             critic = self.value_head if samples[mb[0]].returns is not None else None
             fwd = dict(backend=s.backend, max_row_tokens=s.micro_batch_tokens)
             candidates = None
-            if s.loss == "distill":  # the same model with full context teaches the evicted view
-                teacher = stream_topk(self.model, [full_context(t) for t in traces], s.distill_top_k, **fwd)
+            if s.loss == "distill":  # the model with full context teaches the evicted view: the frozen
+                # reference when there is one (a teacher sharing the student's weights drifts with it)
+                teach = self.reference if self.reference is not None else self.model
+                teacher = stream_topk(teach, [full_context(t) for t in traces], s.distill_top_k, **fwd)
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
             with self._autocast(s):
