@@ -135,6 +135,14 @@ def test_distillation_is_the_kl_from_the_full_context_pass(tiny_lm):
     assert trainer.backward([Sample(clean, np.zeros(len(clean), np.float32))], "distill")[
         "loss"
     ] == pytest.approx(0.0, abs=1e-6)
+    # with a frozen reference, it teaches (the same clean trace now shows their difference)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.reference = reference
+    samples = [Sample(clean, np.zeros(len(clean), np.float32))]
+    assert trainer.backward(samples, "distill")["loss"] > 1e-3
 
 
 def test_reference_kl_starts_at_zero_and_grows_as_the_policy_moves(tiny_lm):
