@@ -33,6 +33,12 @@ VARIANTS = tuple(CANDIDATES)
 _ANSWER = re.compile(r"^\s*Recall:\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 
 
+def _rng(seed: int, stream: str) -> random.Random:
+    """One stream of an episode's randomness; string seeds are hashed (SHA-512), so streams of
+    nearby seeds and of one seed are independent."""
+    return random.Random(f"recall/{stream}/{seed}")
+
+
 class RecallEnv:
     name = "recall"
 
@@ -46,10 +52,10 @@ class RecallEnv:
         self.answer: str | None = None
 
     def reset(self, seed: int, assigned: bool = True) -> Reset:
-        rng = random.Random(seed)
-        self.answer = rng.choice(self.candidates)
-        self.start = rng.randint(1, 100)
-        self.listed = rng.sample(self.candidates, len(self.candidates))  # the question's order
+        # independent streams: what the model sees (start, order) says nothing about the answer
+        self.answer = _rng(seed, "answer").choice(self.candidates)
+        self.start = _rng(seed, "start").randint(1, 100)
+        self.listed = _rng(seed, "order").sample(self.candidates, len(self.candidates))
         self.leaked = False
         self.phase = 0
         task = (
@@ -62,7 +68,7 @@ class RecallEnv:
     def demo_reset(self, seed: int) -> Reset:
         """A demonstration episode: with probability ``prior_demos`` no assignment is shown and the
         demonstrated answer is a uniformly drawn candidate (what a model without it should guess)."""
-        return self.reset(seed, assigned=random.Random(-1 - seed).random() >= self.prior_demos)
+        return self.reset(seed, assigned=_rng(seed, "prior").random() >= self.prior_demos)
 
     def step(self, action: str) -> Step:
         if self.answer is None:
