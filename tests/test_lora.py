@@ -49,7 +49,7 @@ def test_adapters_train_alone_run_in_the_engine_and_merge(tiny_lm, tmp_path):
     save_model(model, tmp_path / "merged")  # a plain HF folder with the adapters merged in
     merged = load_model(tmp_path / "merged")
     assert not has_lora(merged)
-    torch.testing.assert_close(logits(merged, tokens), logits(model, tokens), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits(merged, tokens), logits(model, tokens), atol=1e-4, rtol=1e-5)
 
 
 def test_adapter_checkpoint_state_round_trips_and_names_a_mismatch(tiny_lm):
