@@ -26,7 +26,10 @@ class RecallConfig(_Config):
     variant: Literal[VARIANTS] = "fruit"  # type: ignore[valid-type]
     answer_tokens: int = Field(16, ge=1)
     prior_demos: float = Field(
-        0.0, ge=0, lt=1, description="fraction of demonstrations with no assignment, answered with a "
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of demonstrations with no assignment, answered with a "
         "uniformly drawn candidate: a warm-up prior to guess uniformly when the assignment is not visible",
     )
 

@@ -72,7 +72,9 @@ class TrainConfig(BaseModel):
     normalize_std: bool = True
     chance: float | None = Field(None, ge=0, le=1, description="loo: score all-equal batches against this")
     max_lag: int = Field(
-        0, ge=0, description="0: sample each batch with the current weights; N: sample ahead in a thread, "
+        0,
+        ge=0,
+        description="0: sample each batch with the current weights; N: sample ahead in a thread, "
         "weights pushed in flight after each step, batches older than N updates dropped",
     )
     checkpoint_every: int = Field(10, ge=1)
