@@ -11,7 +11,8 @@ mask (:func:`~compactrl.engine.runner.prefill_stream`), which reproduces the dro
 
 Weights: :meth:`update_weights` swaps weights in flight and keeps every session's KV, so tokens
 fed before the update keep old-weight K/V (PipelineRL-style staleness); a session preempted
-after an update is recomputed with the new weights.
+after an update is recomputed with the new weights. From another thread (a trainer),
+:meth:`stage_weights` hands weights over and the engine loads the newest at its next step.
 """
 
 from __future__ import annotations
