@@ -185,3 +185,33 @@ def test_tempered_rollouts_match_the_trainer_at_their_temperature(tiny_lm):
     assert Trainer(model, TrainSettings()).backward(sample)["mismatch_max_abs"] > 0.1  # untempered: not it
     with pytest.raises(ValueError, match="temperature > 0"):
         Trainer(model, TrainSettings(), temperature=0.0)
+
+
+def test_entropy_bonus_is_the_policy_entropy_and_raises_it(tiny_lm):
+    from compactrl.masks import dense_mask
+    from compactrl.rl.forward import stream_logprobs
+
+    model = copy.deepcopy(tiny_lm)
+    traces = engine_traces(model, n=2, seed=17)
+    with torch.no_grad():
+        both = stream_logprobs(model, traces, entropy=True, temperature=1.3)
+        plain = stream_logprobs(model, traces, temperature=1.3)
+        t = traces[0]
+        logits = model(
+            torch.as_tensor(t.tokens), torch.arange(len(t)), dense_mask(torch.as_tensor(t.evict_at))
+        )
+        logp = torch.log_softmax(logits[0].double() / 1.3, -1)
+        dense = -(logp.exp() * logp).sum(-1)[:-1]  # row i: the distribution token i + 1 came from
+    assert both[0].shape == (len(t), 2) and torch.equal(both[0][:, 0], plain[0])
+    torch.testing.assert_close(both[0][1:, 1].double(), dense, atol=1e-4, rtol=0)
+    zero = [Sample(x, np.zeros(len(x), np.float32), i) for i, x in enumerate(traces)]  # no reward signal
+    entropies = {}
+    for coef in (0.0, 0.05):
+        trainer = Trainer(copy.deepcopy(model), TrainSettings(lr=1e-2, entropy_coef=coef))
+        first = trainer.step(zero)
+        for _ in range(4):
+            last = trainer.backward(zero)
+            trainer.optimizer.step()
+        entropies[coef] = (first["entropy"], last["entropy"], first["grad_norm"])
+    assert entropies[0.0][2] == 0.0  # negative control: without the bonus nothing moves
+    assert entropies[0.05][1] > entropies[0.05][0] > 0  # the bonus raises the policy's entropy

@@ -172,11 +172,17 @@ class CausalLM(nn.Module):
 
 
 def token_logprobs(
-    lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 1024, temperature: float = 1.0
+    lm: CausalLM,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``log p(targets[n] | hidden[n])`` in float32 (float64 for a float64 model), ``chunk`` rows at a time.
     ``targets`` of shape ``[n, m]`` scores ``m`` candidate tokens per row (``[n, m]`` out). With a
     ``temperature`` it is ``softmax(logits / temperature)``, the distribution a tempered sampler drew from.
+    ``entropy`` appends a column with the entropy of that distribution (``[n, 2]`` or ``[n, m + 1]``).
 
     Never holds more than a ``[chunk, vocab]`` float32 logits tensor: under autograd each chunk
     is recomputed in backward instead of stored.
@@ -190,9 +196,11 @@ def token_logprobs(
         if temperature != 1.0:
             logits = logits / temperature
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        if t.dim() == 2:
-            return logits.gather(-1, t) - lse
-        return (logits.gather(-1, t[:, None]) - lse).squeeze(-1)
+        lp = logits.gather(-1, t if t.dim() == 2 else t[:, None]) - lse
+        if entropy:
+            logp = logits - lse
+            lp = torch.cat([lp, -(logp.exp() * logp).sum(-1, keepdim=True)], dim=-1)
+        return lp if lp.shape[-1] > 1 or t.dim() == 2 else lp.squeeze(-1)
 
     outs = []
     for s in range(0, hidden.shape[0], chunk):
@@ -201,7 +209,10 @@ def token_logprobs(
             outs.append(torch.utils.checkpoint.checkpoint(one, h, t, use_reentrant=False))
         else:
             outs.append(one(h, t))
-    return torch.cat(outs) if outs else hidden.new_zeros(targets.shape, dtype=torch.float32)
+    if outs:
+        return torch.cat(outs)
+    columns = (targets.shape[1] if targets.dim() == 2 else 1) + 1
+    return hidden.new_zeros((targets.shape[0], columns) if entropy else targets.shape, dtype=torch.float32)
 
 
 @torch.no_grad()

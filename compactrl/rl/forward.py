@@ -64,6 +64,7 @@ def stream_logprobs(
     value_head: torch.nn.Module | None = None,
     candidates: list[torch.Tensor] | None = None,
     temperature: float = 1.0,
+    entropy: bool = False,
 ) -> list[torch.Tensor]:
     """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
 
@@ -74,7 +75,8 @@ def stream_logprobs(
     ``values[k][i]`` being the value of the state in which token ``i`` was chosen. With
     ``candidates`` (``[T, m]`` token ids per trace) row ``i`` scores those ``m`` tokens at
     position ``i`` instead of the trace's own token (``[T, m]`` out; distillation's student side).
-    ``temperature``: log-probs of the tempered distribution the engine sampled from.
+    ``temperature``: log-probs of the tempered distribution the engine sampled from. ``entropy``
+    appends a column with that distribution's entropy at each position (``[T, 2]`` per trace).
     """
     out: list[torch.Tensor | None] = [None] * len(traces)
     values: list[torch.Tensor | None] = [None] * len(traces)
@@ -84,7 +86,7 @@ def stream_logprobs(
             targets = torch.cat([packed.tokens[s + 1 : s + n] for s, n in zip(packed.starts, packed.lengths)])
         else:
             targets = torch.cat([candidates[k][1:].to(h.device) for k in row])
-        lp = token_logprobs(model, h, targets, chunk=logits_chunk, temperature=temperature)
+        lp = token_logprobs(model, h, targets, chunk=logits_chunk, temperature=temperature, entropy=entropy)
         v = value_head(h).float() if value_head is not None else None
         offset = 0
         for k, n in zip(row, packed.lengths, strict=True):

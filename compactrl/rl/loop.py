@@ -329,7 +329,7 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
 def _no_update() -> dict:
     """RFT with no rollout over the bar: nothing to train on this step."""
     zero = ("loss", "trained_tokens", "mismatch_kl", "mismatch_max_abs", "clip_fraction", "masked_fraction",
-            "value_loss", "ref_kl", "grad_norm", "train_s")  # fmt: skip
+            "value_loss", "ref_kl", "entropy", "grad_norm", "train_s")  # fmt: skip
     return dict.fromkeys(zero, 0.0)
 
 

@@ -45,6 +45,7 @@ class TrainSettings(BaseModel):
     clip_high: float = Field(0.2, ge=0)
     max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
+    entropy_coef: float = Field(0.0, ge=0, description="pg: bonus on the policy's entropy at its tokens")
     kl_ref: float = Field(0.0, ge=0, description="weight of the KL to the frozen reference (pg, distill)")
     distill_top_k: int = Field(16, ge=1, description="distill: the teacher's top-k tokens the KL covers")
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
@@ -139,6 +140,7 @@ class Trainer:
         weights = token_weights(samples, s.norm, s.norm_constant)
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, n_tok, clipped, masked, kl_sum, max_abs, value_sum, ref_kl = 0, 0, 0, 0, 0, 0, 0, 0.0
+        entropy_sum = 0.0
         for mb in self.micro_batches(samples):
             traces = [samples[k].trace for k in mb]
             critic = self.value_head if samples[mb[0]].returns is not None else None
@@ -150,12 +152,15 @@ class Trainer:
                 teacher = stream_topk(teach, [full_context(t) for t in traces], s.distill_top_k, **fwd)
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
+            bonus = s.entropy_coef > 0 and s.loss == "pg"
             with self._autocast(s):
                 out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates,
-                                      temperature=self.temperature, **fwd)  # fmt: skip
+                                      temperature=self.temperature, entropy=bonus, **fwd)  # fmt: skip
             logps, values = out if critic is not None else (out, [None] * len(mb))
             if candidates is not None:  # column 0 is the trace's own token, the rest the teacher's
                 student, logps = [c[:, 1:] for c in logps], [c[:, 0] for c in logps]
+            if bonus:  # column 1: the entropy of the distribution each token was drawn from
+                entropies, logps = [c[:, 1] for c in logps], [c[:, 0] for c in logps]
             if use_ref:
                 with torch.no_grad():
                     ref_logps = stream_logprobs(self.reference, traces, temperature=self.temperature, **fwd)
@@ -191,6 +196,10 @@ class Trainer:
                 k3 = torch.exp(-d) + d - 1  # KL(sampler || trainer), k3 estimate, per token
                 if s.kl_sampling:
                     loss = loss + s.kl_sampling * (k3 * w[m]).sum()
+                if bonus:
+                    h = entropies[mb.index(k)]
+                    loss = loss - s.entropy_coef * (h * w * m).sum()
+                    entropy_sum += float(h.detach()[m].sum())
                 if use_ref:
                     r = (ref_logps[mb.index(k)] - lp)[m]
                     ref_k3 = torch.exp(r) - r - 1  # KL(policy || reference), k3 on sampled tokens
@@ -220,4 +229,5 @@ class Trainer:
             "masked_fraction": masked / n,
             "value_loss": value_sum,
             "ref_kl": ref_kl / n,
+            "entropy": entropy_sum / n,  # at the policy's tokens, when the bonus is on
         }
