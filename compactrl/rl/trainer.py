@@ -165,7 +165,7 @@ class Trainer:
                 with torch.no_grad():
                     ref_logps = stream_logprobs(self.reference, traces, temperature=self.temperature, **fwd)
             loss = logps[0].new_zeros(())
-            for k, lp, v in zip(mb, logps, values, strict=True):
+            for j, (k, lp, v) in enumerate(zip(mb, logps, values, strict=True)):
                 t = samples[k].trace
                 m = torch.as_tensor(t.trainable)
                 if not m.any():
@@ -175,7 +175,6 @@ class Trainer:
                 if s.loss == "sft":
                     per_token, keep, adv = -lp, m, torch.zeros_like(lp)
                 elif s.loss == "distill":
-                    j = mb.index(k)
                     t_lp = torch.log_softmax(teacher[j][1].to(lp.device), dim=-1)  # renormalised on the top-k
                     per_token = (t_lp.exp() * (t_lp - student[j])).sum(-1)
                     keep, adv = m, torch.zeros_like(lp)
@@ -197,11 +196,11 @@ class Trainer:
                 if s.kl_sampling:
                     loss = loss + s.kl_sampling * (k3 * w[m]).sum()
                 if bonus:
-                    h = entropies[mb.index(k)]
+                    h = entropies[j]
                     loss = loss - s.entropy_coef * (h * w * m).sum()
                     entropy_sum += float(h.detach()[m].sum())
                 if use_ref:
-                    r = (ref_logps[mb.index(k)] - lp)[m]
+                    r = (ref_logps[j] - lp)[m]
                     ref_k3 = torch.exp(r) - r - 1  # KL(policy || reference), k3 on sampled tokens
                     loss = loss + s.kl_ref * (ref_k3 * w[m]).sum()
                     ref_kl += float(ref_k3.detach().sum())
