@@ -66,8 +66,8 @@ def run_train_step_bench(
     with tempfile.TemporaryDirectory() as tmp:
         engine = load_engine(cfg.model, cfg.engine, Path(tmp))
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
-    stream = cfg.model_copy(update={"mode": "stream"})
-    results = sample_batch(stream, engine, fmt, build_strategy(cfg.strategy), 1)
+    in_stream_mode = cfg.model_copy(update={"mode": "stream"})
+    results = sample_batch(in_stream_mode, engine, fmt, build_strategy(cfg.strategy), 1)
     failed = [r.error for r in results if r.error is not None]
     if failed:
         raise ValueError(f"{len(failed)} rollouts failed, e.g. {failed[0]}")

@@ -171,6 +171,13 @@ class CausalLM(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, positions, mask))
 
 
+def _logits(lm: CausalLM, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Next-token logits in float32 (float64 for a float64 model), divided by ``temperature``."""
+    logits = lm.lm_head(hidden)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def token_logprobs(
     lm: CausalLM,
     hidden: torch.Tensor,
@@ -191,10 +198,7 @@ def token_logprobs(
     targets = targets.reshape(hidden.shape[0], -1) if targets.dim() == 2 else targets.reshape(-1)
 
     def one(h, t):
-        logits = lm.lm_head(h)
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
+        logits = _logits(lm, h, temperature)
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         lp = logits.gather(-1, t if t.dim() == 2 else t[:, None]) - lse
         if entropy:
@@ -221,8 +225,7 @@ def topk_logprobs(lm: CausalLM, hidden: torch.Tensor, k: int, chunk: int = 1024)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     ids, lps = [], []
     for s in range(0, hidden.shape[0], chunk):
-        logits = lm.lm_head(hidden[s : s + chunk])
-        logits = logits if logits.dtype == torch.float64 else logits.float()
+        logits = _logits(lm, hidden[s : s + chunk])
         top = logits.topk(min(k, logits.shape[-1]), dim=-1)
         ids.append(top.indices)
         lps.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
