@@ -95,6 +95,20 @@ def test_ppo_with_the_critic_learns_in_both_modes(tmp_path, mode):
     assert (ckpt / "value_head.safetensors").is_file()  # the critic is checkpointed with the policy
 
 
+def test_ppo_epochs_and_minibatches_reuse_each_batch(tmp_path):
+    """Several clipped optimizer steps per sampled batch: the first is on-policy, the later ones
+    are off-policy against the sampling log-probs, so PPO's clip engages."""
+    args = [f"out={tmp_path}", "steps=4", "epochs=2", "minibatches=2"]
+    rows = []
+    train(load_config(TrainConfig, "configs/quickstart.toml", args), on_step=rows.append)
+    assert all(r["updates"] == 4 for r in rows)
+    assert max(r["mismatch_kl"] for r in rows) < 1e-6  # reported for the first, on-policy update
+    assert any(r["clip_fraction"] > 0 for r in rows)  # later updates moved the ratio past the clip
+    assert all(r["errors"] == 0 and r["trained_tokens"] > 0 for r in rows)
+    with pytest.raises(ConfigError, match="minibatches"):
+        load_config(TrainConfig, "configs/quickstart.toml", ["minibatches=100"])
+
+
 RECALL = ["env.name=recall", "env.k=16", "strategy.name=evict_steps", "prompts=2", "group_size=2",
           "checkpoint_every=1", "rollout.max_tokens=16", "train.lr=1e-3"]  # fmt: skip
 

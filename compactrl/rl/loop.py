@@ -77,6 +77,13 @@ class TrainConfig(BaseModel):
         description="0: sample each batch with the current weights; N: sample ahead in a thread, "
         "weights pushed in flight after each step, batches older than N updates dropped",
     )
+    epochs: int = Field(1, ge=1, description="rl/rft/distill: passes over each sampled batch (PPO epochs)")
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per pass: the batch's rollouts split into this many minibatches, "
+        "each clipped against the sampling log-probs",
+    )
     checkpoint_every: int = Field(10, ge=1)
     eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
     seed: int = 0
@@ -102,6 +109,11 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "objective = 'distill' needs mode = 'stream': "
                 "the teacher is the same rollout without its evictions"
+            )
+        if self.minibatches > self.prompts * self.group_size:
+            raise ValueError(
+                f"minibatches = {self.minibatches} > the {self.prompts * self.group_size} rollouts of a "
+                "step (prompts x group_size); lower minibatches or raise prompts"
             )
         if self.objective != "rl" and self.advantage == "gae":
             raise ValueError(f"advantage = 'gae' trains a critic for objective 'rl', not {self.objective!r}")
@@ -302,7 +314,7 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         pairs = enumerate(zip(results, adv, strict=True))
         samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces
                    if cfg.objective != "rft" or r.reward >= cfg.rft_min_reward]  # fmt: skip
-    stats = trainer.step(samples, loss) if samples else _no_update()
+    stats = _updates(cfg, trainer, samples, loss, step) if samples else _no_update()
     t2 = time.perf_counter()
     if sampler is not None:
         sampler.push(trainer.model)
@@ -326,11 +338,31 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
     return last
 
 
+def _updates(cfg: TrainConfig, trainer: Trainer, samples: list[Sample], loss: str, step: int) -> dict:
+    """``epochs`` passes over the batch, each split into ``minibatches`` optimizer steps (rollouts
+    shuffled per pass, seeded by the step). Reports the first update's statistics (its mismatch is
+    the sampler's against the weights that sampled), with loss and clip fraction averaged."""
+    rollouts = sorted({s.sequence for s in samples})
+    rng = np.random.default_rng([cfg.seed, step])
+    runs = []
+    for _ in range(cfg.epochs):
+        order = rng.permutation(rollouts) if cfg.minibatches > 1 else rollouts
+        for part in np.array_split(np.asarray(order), min(cfg.minibatches, len(rollouts))):
+            chosen = set(part.tolist())
+            runs.append(trainer.step([s for s in samples if s.sequence in chosen], loss))
+    stats = dict(runs[0])
+    for k in ("loss", "clip_fraction", "grad_norm"):
+        stats[k] = float(np.mean([r[k] for r in runs]))
+    stats["train_s"] = sum(r["train_s"] for r in runs)
+    stats["updates"] = len(runs)
+    return stats
+
+
 def _no_update() -> dict:
     """RFT with no rollout over the bar: nothing to train on this step."""
     zero = ("loss", "trained_tokens", "mismatch_kl", "mismatch_max_abs", "clip_fraction", "masked_fraction",
             "value_loss", "ref_kl", "entropy", "grad_norm", "train_s")  # fmt: skip
-    return dict.fromkeys(zero, 0.0)
+    return dict.fromkeys(zero, 0.0) | {"updates": 0}
 
 
 def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[dict, list]:
