@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compactrl.rl.advantages import cross_segment_gae, gae, group_advantages, loo_advantages, token_gae
+from compactrl.rl.advantages import (
+    cross_segment_gae,
+    discounts,
+    gae,
+    group_advantages,
+    loo_advantages,
+    token_gae,
+)
 from compactrl.rl.losses import kl_penalty, normalise, policy_loss, sft_loss, value_loss
 
 
@@ -67,6 +74,22 @@ def test_parallel_form_is_exact_at_lambda_zero_and_approximate_beyond():
     torch.testing.assert_close(par[-(200 - 151) :], exact[-(200 - 151) :])
     naive = torch.cat([token_gae(r, v, s, 1.0, 0.95)[0] for r, v, s in segs])
     assert (naive - exact).abs().sum() > (par - exact).abs().sum()
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.5])
+def test_discounted_outcome_credit_is_gae_of_a_final_reward_without_a_critic(gamma):
+    """An outcome advantage times ``discounts`` = GAE (lambda 1, zero values) of that advantage
+    paid at the rollout's last action token, across segments as over the whole trajectory."""
+    _, _, steps, segs = split_rollout(200, [37, 90, 151], seed=3)
+    final = torch.zeros(200)
+    final[torch.nonzero(steps)[-1]] = 1.0
+    expected, _ = token_gae(final, torch.zeros(200), steps, gamma, 1.0)
+    got = discounts([s.numpy() for _, _, s in segs], gamma)
+    np.testing.assert_allclose(np.concatenate(got), expected.numpy(), rtol=1e-5, atol=1e-7)
+    assert np.all(np.concatenate(got)[~steps.numpy()] == 0)  # only actions get credit
+    if gamma < 1:  # the first action gets less than the last (negative control for a no-op)
+        first = np.concatenate(got)[steps.numpy()]
+        assert first[0] < first[-1] == 1.0
 
 
 def test_group_and_leave_one_out_baselines():

@@ -8,6 +8,7 @@ import torch
 
 from compactrl.config import ConfigError, load_config
 from compactrl.models.loading import load_model
+from compactrl.models.tokenizer import Tokenizer
 from compactrl.rl.checkpoint import latest_checkpoint
 from compactrl.rl.loop import TrainConfig, evaluate, train
 
@@ -26,6 +27,10 @@ def test_quickstart_reward_rises(tmp_path):
     after = evaluate(cfg, latest_checkpoint(tmp_path), episodes=8)
     assert after["mean_reward"] > before["mean_reward"] + 0.2 and after["errors"] == 0
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 8
+    # a checkpoint's model folder is whole: a later run can start from it (model.path)
+    start = load_config(TrainConfig, None, [f"model.path={latest_checkpoint(tmp_path) / 'model'}"])
+    ours, theirs = (Tokenizer.from_dir(d) for d in (tmp_path / "model", start.model.folder(tmp_path)))
+    assert ours.encode("Count 1 2 3") == theirs.encode("Count 1 2 3") and theirs.chat_template
 
 
 class Crash(Exception):

@@ -41,6 +41,10 @@ class ModelSource(BaseModel):
     seed: int = 0
     dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]
 
+    def folder(self, run_dir: str | Path) -> Path:
+        """Where the model and its tokenizer live: ``path``, or the run's generated model."""
+        return Path(self.path) if self.path else Path(run_dir) / "model"
+
     @field_validator("path")
     @classmethod
     def _exists(cls, v: str | None) -> str | None:
@@ -77,7 +81,7 @@ def load_engine(src: ModelSource, engine: EngineConfig, run_dir: Path, weights: 
     from compactrl.models.loading import load_model
     from compactrl.models.tiny import write_tiny_model
 
-    folder = Path(src.path) if src.path else run_dir / "model"
+    folder = src.folder(run_dir)
     if src.path is None and not (folder / "config.json").exists():
         write_tiny_model(folder, family=src.family, size=src.size, seed=src.seed)
     for f in (folder, weights):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -99,6 +100,17 @@ def save_model(model: CausalLM, model_dir: str | Path, extra_config: dict | None
     hf = model.config.to_hf() | (extra_config or {})
     hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     (model_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")  # fmt: skip
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    """Copy the tokenizer and chat-template files a model folder has, so ``dst`` is complete."""
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
 
 
 def config_summary(cfg: ModelConfig) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 
 
@@ -56,6 +57,19 @@ def loo_advantages(rewards: torch.Tensor, chance: float | None = None) -> torch.
     if chance is not None and bool((rewards == rewards[0]).all()):
         return (rewards - chance).float()
     return (rewards - (rewards.sum() - rewards) / (n - 1)).float()
+
+
+def discounts(trainable: list[np.ndarray], gamma: float) -> list[np.ndarray]:
+    """Per trace of one rollout (in order), ``gamma ** n`` at each action token, ``n`` being the
+    rollout's action tokens after it: an outcome advantage broadcast with these weights is
+    REINFORCE with a discounted return and baseline (credit fades with distance from the end)."""
+    after = 0
+    out = []
+    for m in reversed(trainable):
+        later = np.cumsum(m[::-1])[::-1] - m + after  # action tokens after each position
+        out.append(np.where(m, gamma ** later.astype(np.float64), 0.0).astype(np.float32))
+        after += int(m.sum())
+    return out[::-1]
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: float = 0.95,

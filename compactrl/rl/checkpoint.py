@@ -1,7 +1,8 @@
 """Training checkpoints that resume a run exactly: model, optimizer, RNG states, step, data position.
 
 A checkpoint is a folder ``step_<N>`` holding the model as a Hugging Face folder
-(``config.json`` + ``model.safetensors``, loadable by compactrl and transformers), the optimizer
+(``config.json`` + ``model.safetensors`` + the tokenizer files, loadable by compactrl and
+transformers), the optimizer
 and any extra modules (the critic) as safetensors, and the scalars and RNG states as JSON. It
 is written to a temporary folder and renamed into place, so a crash mid-write never leaves a
 half checkpoint that ``latest`` would pick up.
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from compactrl.models.loading import save_model
+from compactrl.models.loading import copy_tokenizer_files, save_model
 from compactrl.models.lora import has_lora
 
 STATE = "trainer_state.json"
@@ -74,12 +75,16 @@ def save_checkpoint(
     state: dict,
     modules: dict[str, torch.nn.Module] | None = None,
     keep: int = 2,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the newest ``keep``."""
+    """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the newest ``keep``. With
+    ``tokenizer_dir`` its tokenizer files join the model, a folder any loader takes whole."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
     save_model(model, tmp / "model")
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, tmp / "model")
     tensors, meta = _optimizer_tensors(optimizer)
     save_file(tensors, tmp / "optimizer.safetensors")
     for name, module in (modules or {}).items():

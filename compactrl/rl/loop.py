@@ -35,7 +35,7 @@ from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.models.loading import load_model, save_model
 from compactrl.models.lora import Adapters
-from compactrl.rl.advantages import cross_segment_gae, group_advantages, loo_advantages
+from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from compactrl.rl.critic import ValueHead
 from compactrl.rl.demos import demo_trace
@@ -66,7 +66,13 @@ class TrainConfig(BaseModel):
     )
     rft_min_reward: float = 1.0
     advantage: Literal["group", "loo", "gae"] = "group"
-    gamma: float = Field(1.0, ge=0, le=1, description="gae: discount per action token")
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="discount per action token (group/loo: a token's advantage times gamma ** the "
+        "rollout's action tokens after it)",
+    )
     lam: float = Field(0.95, ge=0, le=1, description="gae: lambda")
     gae_form: Literal["exact", "parallel"] = Field("exact", description="gae across re-prefill segments")
     normalize_std: bool = True
@@ -267,7 +273,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
             _log(metrics_path, writer, last)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 state = {"data_position": data_position}
-                save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules)
+                save_checkpoint(
+                    run_dir,
+                    step,
+                    model,
+                    trainer.optimizer,
+                    state,
+                    modules,
+                    tokenizer_dir=cfg.model.folder(run_dir),
+                )
             if on_step is not None:
                 on_step(last)
             advance()
@@ -311,9 +325,12 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         samples = _gae_samples(cfg, engine.model, head, results)
     else:
         adv = step_advantages(cfg, rewards) if cfg.objective == "rl" else np.zeros(len(results))
-        pairs = enumerate(zip(results, adv, strict=True))
-        samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (r, a) in pairs for t in r.traces
-                   if cfg.objective != "rft" or r.reward >= cfg.rft_min_reward]  # fmt: skip
+        samples = []
+        for i, (r, a) in enumerate(zip(results, adv, strict=True)):
+            if cfg.objective == "rft" and r.reward < cfg.rft_min_reward:
+                continue
+            credit = discounts([t.trainable for t in r.traces], cfg.gamma)
+            samples += [Sample(t, a * w, i) for t, w in zip(r.traces, credit, strict=True)]
     stats = _updates(cfg, trainer, samples, loss, step) if samples else _no_update()
     t2 = time.perf_counter()
     if sampler is not None:

@@ -37,6 +37,12 @@ class TrainSettings(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(
+        1e-8,
+        gt=0,
+        description="AdamW's epsilon; raising it towards the gradients' scale damps the lr-sized "
+        "steps Adam takes on parameters whose gradients are small and noisy",
+    )
     grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm (None: no clipping)")
     micro_batch_tokens: int = Field(8192, ge=1, description="tokens per forward/backward")
     norm: Norm = "token"
@@ -104,6 +110,7 @@ class Trainer:
             self.params,
             lr=settings.lr,
             betas=(settings.beta1, settings.beta2),
+            eps=settings.eps,
             weight_decay=settings.weight_decay,
         )
 
