@@ -106,6 +106,20 @@ def test_policy_gradient_moves_log_probs_with_the_advantage(tiny_lm):
     assert after[0] > before[0] and after[1] < before[1]
 
 
+def test_adam_epsilon_damps_steps_on_small_gradients(tiny_lm):
+    """``eps`` reaches AdamW: far above the gradients' scale, steps shrink to ~lr * grad / eps."""
+    traces = engine_traces(tiny_lm, n=2, seed=5)
+    samples = [Sample(t, np.full(len(t), a, np.float32), i) for i, (t, a) in enumerate(zip(traces, (1, -1)))]
+    moved = []
+    for eps in (1e-8, 10.0):
+        model = copy.deepcopy(tiny_lm)
+        Trainer(model, TrainSettings(lr=1e-3, eps=eps)).step(samples)
+        moved.append(
+            max(float((p - q).abs().max()) for p, q in zip(model.parameters(), tiny_lm.parameters()))
+        )
+    assert moved[0] > 5e-4 and moved[1] < 1e-2 * moved[0]
+
+
 def test_distillation_is_the_kl_from_the_full_context_pass(tiny_lm):
     from compactrl.masks import dense_mask
     from compactrl.rl.forward import full_context
@@ -156,6 +170,38 @@ def test_reference_kl_starts_at_zero_and_grows_as_the_policy_moves(tiny_lm):
     for _ in range(3):
         last = trainer.step(samples_of(traces))
     assert last["ref_kl"] > 1e-4
+
+
+def test_topk_reference_kl_is_the_exact_forward_kl_and_pulls_the_policy_back(tiny_lm):
+    """``kl_ref_estimator = "topk"`` with top-k = vocabulary: KL(reference || policy) at every
+    policy token, both reading the same evicted view; with zero advantages it restores the policy."""
+    from compactrl.masks import dense_mask
+
+    reference = copy.deepcopy(tiny_lm).eval()
+    model = copy.deepcopy(tiny_lm)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())))
+    traces = engine_traces(model, n=2, seed=9)
+    settings = TrainSettings(
+        lr=3e-3, kl_ref=1.0, kl_ref_estimator="topk", distill_top_k=model.config.vocab_size
+    )
+    trainer = Trainer(model, settings, reference=reference)
+    zero = [Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)]
+    expected, n = 0.0, 0
+    with torch.no_grad():
+        for t in traces:
+            tok, pos = torch.as_tensor(t.tokens), torch.arange(len(t))
+            mask = dense_mask(torch.as_tensor(t.evict_at))
+            ref, pol = (torch.log_softmax(m(tok, pos, mask)[0].double(), -1) for m in (reference, model))
+            kl = (ref.exp() * (ref - pol)).sum(-1)[:-1]  # row i predicts token i + 1
+            m = torch.as_tensor(t.trainable)[1:]
+            expected, n = expected + float(kl[m].sum()), n + int(m.sum())
+    first = trainer.step(zero)
+    assert first["ref_kl"] == pytest.approx(expected / n, rel=1e-4) and expected / n > 1e-3
+    for _ in range(5):
+        last = trainer.step(zero)
+    assert last["ref_kl"] < 0.5 * first["ref_kl"]  # the anchor alone pulls the policy back
 
 
 def test_bfloat16_autocast_trains_close_to_float32_with_a_visible_mismatch(tiny_lm):

@@ -53,6 +53,12 @@ class TrainSettings(BaseModel):
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
     entropy_coef: float = Field(0.0, ge=0, description="pg: bonus on the policy's entropy at its tokens")
     kl_ref: float = Field(0.0, ge=0, description="weight of the KL to the frozen reference (pg, distill)")
+    kl_ref_estimator: Literal["k3", "topk"] = Field(
+        "k3",
+        description="pg: k3 — KL(policy || reference) estimated on the sampled tokens (GRPO's); topk — "
+        "KL(reference || policy) over the reference's top distill_top_k tokens at every policy token, "
+        "which also pulls back tokens the policy has collapsed onto (their sampled estimate vanishes)",
+    )
     distill_top_k: int = Field(16, ge=1, description="distill: the teacher's top-k tokens the KL covers")
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
@@ -141,6 +147,7 @@ class Trainer:
             raise ValueError("a training step needs at least one sample")
         s = self.settings if loss is None else self.settings.model_copy(update={"loss": loss})
         use_ref = s.kl_ref > 0 and s.loss != "sft"  # it anchors policy updates, not SFT on demos
+        anchor = use_ref and s.loss == "pg" and s.kl_ref_estimator == "topk"
         if use_ref and self.reference is None:
             raise ValueError("kl_ref > 0 needs a reference model: Trainer(..., reference=frozen copy)")
         self.model.train()
@@ -152,23 +159,27 @@ class Trainer:
             traces = [samples[k].trace for k in mb]
             critic = self.value_head if samples[mb[0]].returns is not None else None
             fwd = dict(backend=s.backend, max_row_tokens=s.micro_batch_tokens)
-            candidates = None
+            candidates = teacher = None
             if s.loss == "distill":  # the model with full context teaches the evicted view: the frozen
                 # reference when there is one (a teacher sharing the student's weights drifts with it)
                 teach = self.reference if self.reference is not None else self.model
                 teacher = stream_topk(teach, [full_context(t) for t in traces], s.distill_top_k, **fwd)
+            elif anchor:  # the reference reads the same (evicted) view as the policy
+                teacher = stream_topk(self.reference, traces, s.distill_top_k, **fwd)
+            if teacher is not None:
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
             bonus = s.entropy_coef > 0 and s.loss == "pg"
             with self._autocast(s):
                 out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates,
                                       temperature=self.temperature, entropy=bonus, **fwd)  # fmt: skip
-            logps, values = out if critic is not None else (out, [None] * len(mb))
+            cols, values = out if critic is not None else (out, [None] * len(mb))
+            if bonus:  # the last column: the entropy of the distribution each token was drawn from
+                entropies, cols = [c[:, -1] for c in cols], [c[:, :-1] for c in cols]
             if candidates is not None:  # column 0 is the trace's own token, the rest the teacher's
-                student, logps = [c[:, 1:] for c in logps], [c[:, 0] for c in logps]
-            if bonus:  # column 1: the entropy of the distribution each token was drawn from
-                entropies, logps = [c[:, 1] for c in logps], [c[:, 0] for c in logps]
-            if use_ref:
+                student = [c[:, 1:] for c in cols]
+            logps = [c[:, 0] if c.dim() == 2 else c for c in cols]
+            if use_ref and not anchor:
                 with torch.no_grad():
                     ref_logps = stream_logprobs(self.reference, traces, temperature=self.temperature, **fwd)
             loss = logps[0].new_zeros(())
@@ -179,12 +190,14 @@ class Trainer:
                     continue
                 w = torch.as_tensor(weights[k], dtype=lp.dtype)
                 old = torch.as_tensor(np.nan_to_num(t.logprobs), dtype=lp.dtype)
+                if teacher is not None:  # KL(teacher || policy) over the teacher's top-k (renormalised),
+                    # both at the rollouts' temperature (the top-k of a tempered distribution is the same)
+                    t_lp = torch.log_softmax(teacher[j][1].to(lp.device) / self.temperature, dim=-1)
+                    topk_kl = (t_lp.exp() * (t_lp - student[j])).sum(-1)
                 if s.loss == "sft":
                     per_token, keep, adv = -lp, m, torch.zeros_like(lp)
                 elif s.loss == "distill":
-                    t_lp = torch.log_softmax(teacher[j][1].to(lp.device), dim=-1)  # renormalised on the top-k
-                    per_token = (t_lp.exp() * (t_lp - student[j])).sum(-1)
-                    keep, adv = m, torch.zeros_like(lp)
+                    per_token, keep, adv = topk_kl, m, torch.zeros_like(lp)
                 else:
                     adv = torch.as_tensor(samples[k].advantages, dtype=lp.dtype)
                     per_token, keep = pg_per_token(lp, old, adv, m, s.clip_low, s.clip_high, s.max_log_ratio)
@@ -206,7 +219,10 @@ class Trainer:
                     h = entropies[j]
                     loss = loss - s.entropy_coef * (h * w * m).sum()
                     entropy_sum += float(h.detach()[m].sum())
-                if use_ref:
+                if anchor:
+                    loss = loss + s.kl_ref * (topk_kl * w * m).sum()
+                    ref_kl += float(topk_kl.detach()[m].sum())
+                elif use_ref:
                     r = (ref_logps[j] - lp)[m]
                     ref_k3 = torch.exp(r) - r - 1  # KL(policy || reference), k3 on sampled tokens
                     loss = loss + s.kl_ref * (ref_k3 * w[m]).sum()
