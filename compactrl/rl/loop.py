@@ -4,12 +4,13 @@ Each step runs ``prompts`` env seeds x ``group_size`` rollouts (one group per se
 sampling seeds) through the engine with the config's strategy and mode, turns episode rewards
 into advantages (``group``: GRPO; ``loo``: leave-one-out with an optional chance-level
 fallback), broadcasts each rollout's advantage to all its trainable tokens (every segment of a
-re-prefill rollout), and takes one optimizer step. The engine and the trainer share the model
+re-prefill rollout; discounted by ``gamma`` per later action token), and takes ``epochs`` x
+``minibatches`` optimizer steps (one by default). The engine and the trainer share the model
 object, so the update reaches the engine in place with nothing to copy (the engine's fused
-projection reads views of the same parameters); sampling is synchronous, so rollouts are never
-stale (off-policy lag 0). Metrics go to ``metrics.jsonl`` (and TensorBoard when installed);
-checkpoints go to ``checkpoints/`` and ``--resume`` continues from the newest exactly: the data
-of step N depends only on N and the seed.
+projection reads views of the same parameters); by default sampling is synchronous, so rollouts
+are never stale (``max_lag`` samples ahead: ``rl/sampler.py``). Metrics go to ``metrics.jsonl``
+(and TensorBoard when installed); checkpoints go to ``checkpoints/`` and ``--resume`` continues
+from the newest exactly: the data of step N depends only on N and the seed.
 """
 
 from __future__ import annotations
@@ -361,15 +362,17 @@ def _updates(cfg: TrainConfig, trainer: Trainer, samples: list[Sample], loss: st
     the sampler's against the weights that sampled), with loss and clip fraction averaged."""
     rollouts = sorted({s.sequence for s in samples})
     rng = np.random.default_rng([cfg.seed, step])
+    parts = min(cfg.minibatches, len(rollouts))
     runs = []
     for _ in range(cfg.epochs):
-        order = rng.permutation(rollouts) if cfg.minibatches > 1 else rollouts
-        for part in np.array_split(np.asarray(order), min(cfg.minibatches, len(rollouts))):
+        order = rng.permutation(rollouts) if parts > 1 else rollouts
+        for part in np.array_split(np.asarray(order), parts):
             chosen = set(part.tolist())
             runs.append(trainer.step([s for s in samples if s.sequence in chosen], loss))
     stats = dict(runs[0])
     for k in ("loss", "clip_fraction", "grad_norm"):
         stats[k] = float(np.mean([r[k] for r in runs]))
+    stats["trained_tokens"] = sum(r["trained_tokens"] for r in runs[:parts])  # one pass over the batch
     stats["train_s"] = sum(r["train_s"] for r in runs)
     stats["updates"] = len(runs)
     return stats
