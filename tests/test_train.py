@@ -149,6 +149,12 @@ def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
         train(cfg, on_step=rows.append)
         assert rows[2]["phase"] == "rl" and rows[2]["errors"] == 0 and rows[2]["compactions"] == 1.0
         assert rows[2]["trained_tokens"] > 0 and rows[2]["grad_norm"] > 0  # rft: all clear 0; loo: chance
+    with pytest.raises(ConfigError, match="kl_ref_estimator"):
+        load_config(
+            TrainConfig,
+            None,
+            [*RECALL, "objective=distill", "train.kl_ref=0.1", "train.kl_ref_estimator=topk"],
+        )
     with pytest.raises(ConfigError, match="mode = 'stream'"):
         load_config(TrainConfig, None, [*RECALL, "objective=distill", "mode=reprefill"])
 

@@ -117,6 +117,11 @@ class TrainConfig(BaseModel):
                 "objective = 'distill' needs mode = 'stream': "
                 "the teacher is the same rollout without its evictions"
             )
+        if self.objective == "distill" and self.train.kl_ref and self.train.kl_ref_estimator == "topk":
+            raise ValueError(
+                "train.kl_ref_estimator = 'topk' anchors policy-gradient steps; objective 'distill' "
+                "already learns from the reference's top-k: use the k3 estimator or kl_ref = 0"
+            )
         if self.minibatches > self.prompts * self.group_size:
             raise ValueError(
                 f"minibatches = {self.minibatches} > the {self.prompts * self.group_size} rollouts of a "
