@@ -16,7 +16,7 @@ from compactrl.rl.advantages import (
     loo_advantages,
     token_gae,
 )
-from compactrl.rl.losses import kl_penalty, normalise, policy_loss, sft_loss, value_loss
+from compactrl.rl.losses import kl_penalty, normalise, policy_loss, sft_loss, topk_kl, value_loss
 
 
 def reference_gae(r, v, gamma, lam):
@@ -147,3 +147,23 @@ def test_kl_value_and_sft_losses():
         float(value_loss(torch.tensor([1.0, 1.0]), v, torch.tensor([1.0, 1.0]), mask)), 0.16, rel_tol=1e-6
     )
     assert math.isclose(float(sft_loss(lp, mask)), -float(lp.mean()), rel_tol=1e-6)
+
+
+def test_topk_kl_is_a_coarse_grained_kl():
+    """Top-k plus a rest bin: 0 when the distributions agree (renormalising the teacher alone
+    would not be), <= the full KL, equal to it at k = vocabulary, and it sees mass moved outside."""
+    g = torch.Generator().manual_seed(0)
+    p, q = (torch.log_softmax(2 * torch.randn(6, 50, generator=g, dtype=torch.float64), -1) for _ in range(2))
+    full = (p.exp() * (p - q)).sum(-1)
+    ids = p.topk(8, -1).indices
+    assert torch.allclose(topk_kl(p.gather(-1, ids), p.gather(-1, ids)), torch.zeros(6, dtype=torch.float64))
+    renormalised = torch.log_softmax(p.gather(-1, ids), -1)
+    assert (renormalised.exp() * (renormalised - p.gather(-1, ids))).sum(-1).min() > 1e-3  # the old bias
+    part = topk_kl(p.gather(-1, ids), q.gather(-1, ids))
+    assert torch.all(part <= full + 1e-12) and torch.all(part > 0)
+    every = p.topk(50, -1).indices
+    torch.testing.assert_close(topk_kl(p.gather(-1, every), q.gather(-1, every)), full)
+    outside = q.clone()  # the student moves mass onto a token outside the teacher's top-8
+    outside[:, p.argmin(-1)[0]] += 3
+    outside = torch.log_softmax(outside, -1)
+    assert torch.all(topk_kl(p.gather(-1, ids), outside.gather(-1, ids)) > part)

@@ -220,12 +220,12 @@ def token_logprobs(
 
 
 @torch.no_grad()
-def topk_logprobs(lm: CausalLM, hidden: torch.Tensor, k: int, chunk: int = 1024):
-    """The ``k`` most likely next tokens per row and their log-probs (``[n, k]`` each)."""
+def topk_logprobs(lm: CausalLM, hidden: torch.Tensor, k: int, chunk: int = 1024, temperature: float = 1.0):
+    """The ``k`` most likely next tokens per row and their (tempered) log-probs (``[n, k]`` each)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     ids, lps = [], []
     for s in range(0, hidden.shape[0], chunk):
-        logits = _logits(lm, hidden[s : s + chunk])
+        logits = _logits(lm, hidden[s : s + chunk], temperature)
         top = logits.topk(min(k, logits.shape[-1]), dim=-1)
         ids.append(top.indices)
         lps.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))

@@ -2,10 +2,9 @@
 
 A checkpoint is a folder ``step_<N>`` holding the model as a Hugging Face folder
 (``config.json`` + ``model.safetensors`` + the tokenizer files, loadable by compactrl and
-transformers), the optimizer
-and any extra modules (the critic) as safetensors, and the scalars and RNG states as JSON. It
-is written to a temporary folder and renamed into place, so a crash mid-write never leaves a
-half checkpoint that ``latest`` would pick up.
+transformers), the optimizer and any extra modules (the critic) as safetensors, and the scalars
+and RNG states as JSON. It is written to a temporary folder and renamed into place, so a crash
+mid-write never leaves a half checkpoint that ``latest`` would pick up.
 """
 
 from __future__ import annotations

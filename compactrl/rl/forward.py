@@ -107,14 +107,14 @@ def full_context(trace: Trace) -> Trace:
 @torch.no_grad()
 def stream_topk(
     model: CausalLM, traces: list[Trace], k: int, *, backend: Backend = "chunked", chunk: int = 256,
-    max_row_tokens: int | None = None, logits_chunk: int = 1024,
+    max_row_tokens: int | None = None, logits_chunk: int = 1024, temperature: float = 1.0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Per trace, the ``k`` most likely tokens at each position and their log-probs (``[T, k]``
-    each; row 0 is empty): a distillation teacher's side."""
+    each; row 0 is empty): a distillation teacher's or the reference anchor's side."""
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(traces)
     for row, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens):
         for j, s, n in zip(row, packed.starts, packed.lengths, strict=True):
-            ids, lp = topk_logprobs(model, hidden[s : s + n - 1], k, logits_chunk)
+            ids, lp = topk_logprobs(model, hidden[s : s + n - 1], k, logits_chunk, temperature)
             out[j] = (torch.cat([ids[:1] * 0, ids]), torch.cat([lp[:1] * 0, lp]))
     return out  # type: ignore[return-value]
 

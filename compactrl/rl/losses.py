@@ -109,3 +109,14 @@ def sft_loss(logp: torch.Tensor, mask: torch.Tensor, norm: Norm = "token", seq_i
              constant: float | None = None) -> torch.Tensor:  # fmt: skip
     """Negative log-likelihood of the target tokens (SFT; RFT is SFT on the rewarded rollouts)."""
     return normalise(-logp, mask, norm, seq_ids, constant)
+
+
+def topk_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor, tiny: float = 1e-12) -> torch.Tensor:
+    """KL(teacher || student) per position over the teacher's top-k tokens plus one bin for all
+    the others (``[..., k]`` log-probs of the same tokens under each): zero when they agree,
+    never above the full KL (a coarse-graining), equal to it when k covers the vocabulary, and,
+    through the last bin, it sees mass the student moved outside the teacher's top-k."""
+    p_rest = (1 - teacher_logp.exp().sum(-1)).clamp_min(0)
+    q_rest = (1 - student_logp.exp().sum(-1)).clamp_min(tiny)
+    top = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    return top + p_rest * (p_rest.clamp_min(tiny).log() - q_rest.log())

@@ -25,7 +25,7 @@ from compactrl.masks import pack_greedy
 from compactrl.models.decoder import CausalLM
 from compactrl.models.lora import LoraSettings, add_lora, has_lora
 from compactrl.rl.forward import Backend, full_context, stream_logprobs, stream_topk
-from compactrl.rl.losses import Norm, pg_per_token
+from compactrl.rl.losses import Norm, pg_per_token, topk_kl
 from compactrl.trace import Trace
 
 
@@ -56,10 +56,15 @@ class TrainSettings(BaseModel):
     kl_ref_estimator: Literal["k3", "topk"] = Field(
         "k3",
         description="pg: k3 — KL(policy || reference) estimated on the sampled tokens (GRPO's); topk — "
-        "KL(reference || policy) over the reference's top distill_top_k tokens at every policy token, "
+        "KL(reference || policy) over the reference's top distill_top_k tokens (and one bin for the rest) "
+        "at every policy token, "
         "which also pulls back tokens the policy has collapsed onto (their sampled estimate vanishes)",
     )
-    distill_top_k: int = Field(16, ge=1, description="distill: the teacher's top-k tokens the KL covers")
+    distill_top_k: int = Field(
+        16,
+        ge=1,
+        description="the top-k tokens of the distill teacher or the topk reference that the KL covers",
+    )
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
     backend: Backend = "chunked"
@@ -163,9 +168,12 @@ class Trainer:
             if s.loss == "distill":  # the model with full context teaches the evicted view: the frozen
                 # reference when there is one (a teacher sharing the student's weights drifts with it)
                 teach = self.reference if self.reference is not None else self.model
-                teacher = stream_topk(teach, [full_context(t) for t in traces], s.distill_top_k, **fwd)
+                views = [full_context(t) for t in traces]
+                teacher = stream_topk(teach, views, s.distill_top_k, temperature=self.temperature, **fwd)
             elif anchor:  # the reference reads the same (evicted) view as the policy
-                teacher = stream_topk(self.reference, traces, s.distill_top_k, **fwd)
+                teacher = stream_topk(
+                    self.reference, traces, s.distill_top_k, temperature=self.temperature, **fwd
+                )
             if teacher is not None:
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
@@ -190,14 +198,12 @@ class Trainer:
                     continue
                 w = torch.as_tensor(weights[k], dtype=lp.dtype)
                 old = torch.as_tensor(np.nan_to_num(t.logprobs), dtype=lp.dtype)
-                if teacher is not None:  # KL(teacher || policy) over the teacher's top-k (renormalised),
-                    # both at the rollouts' temperature (the top-k of a tempered distribution is the same)
-                    t_lp = torch.log_softmax(teacher[j][1].to(lp.device) / self.temperature, dim=-1)
-                    topk_kl = (t_lp.exp() * (t_lp - student[j])).sum(-1)
+                if teacher is not None:  # both at the rollouts' temperature
+                    kl_top = topk_kl(teacher[j][1].to(lp.device), student[j])
                 if s.loss == "sft":
                     per_token, keep, adv = -lp, m, torch.zeros_like(lp)
                 elif s.loss == "distill":
-                    per_token, keep, adv = topk_kl, m, torch.zeros_like(lp)
+                    per_token, keep, adv = kl_top, m, torch.zeros_like(lp)
                 else:
                     adv = torch.as_tensor(samples[k].advantages, dtype=lp.dtype)
                     per_token, keep = pg_per_token(lp, old, adv, m, s.clip_low, s.clip_high, s.max_log_ratio)
@@ -220,8 +226,8 @@ class Trainer:
                     loss = loss - s.entropy_coef * (h * w * m).sum()
                     entropy_sum += float(h.detach()[m].sum())
                 if anchor:
-                    loss = loss + s.kl_ref * (topk_kl * w * m).sum()
-                    ref_kl += float(topk_kl.detach()[m].sum())
+                    loss = loss + s.kl_ref * (kl_top * w * m).sum()
+                    ref_kl += float(kl_top.detach()[m].sum())
                 elif use_ref:
                     r = (ref_logps[j] - lp)[m]
                     ref_k3 = torch.exp(r) - r - 1  # KL(policy || reference), k3 on sampled tokens
