@@ -231,6 +231,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
         )
     saved.write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)
+    source = cfg.model.folder(run_dir)  # the tokenizer files checkpoints carry
     model = engine.model
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
     strategy = build_strategy(cfg.strategy)
@@ -279,15 +280,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
             _log(metrics_path, writer, last)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 state = {"data_position": data_position}
-                save_checkpoint(
-                    run_dir,
-                    step,
-                    model,
-                    trainer.optimizer,
-                    state,
-                    modules,
-                    tokenizer_dir=cfg.model.folder(run_dir),
-                )
+                save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules, tokenizer_dir=source)
             if on_step is not None:
                 on_step(last)
             advance()

@@ -57,8 +57,7 @@ class TrainSettings(BaseModel):
         "k3",
         description="pg: k3 — KL(policy || reference) estimated on the sampled tokens (GRPO's); topk — "
         "KL(reference || policy) over the reference's top distill_top_k tokens (and one bin for the rest) "
-        "at every policy token, "
-        "which also pulls back tokens the policy has collapsed onto (their sampled estimate vanishes)",
+        "at every policy token, which also pulls back tokens the policy has collapsed onto",
     )
     distill_top_k: int = Field(
         16,
