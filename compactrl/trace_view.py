@@ -1,11 +1,20 @@
-"""Human view of traces (``compactrl trace show FILE``): the stream as styled text, grouped by turn.
+"""Human view of traces (``compactrl trace show FILE``): the stream as styled text, one labelled group per
+chat message.
 
 Everything is printed as rich :class:`~rich.text.Text` built with explicit styles, never markup strings, so
 token text such as ``[bold]`` is shown literally.
+
+Turns: a rollout gives the tokens of one chat message (header, content, close) one ``turn`` id, and the
+view shows one group per message. Older traces numbered every append (header, generation and close of one
+message were three turns); the view recognises them (a sampled-only turn right after an unsampled turn of
+the same role, and no turn mixing sampled and unsampled tokens) and merges consecutive runs of the same
+role, segment and cursor whose turn ids follow on, labelled with the id range. Anything else is labelled as
+the trace says.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -14,13 +23,14 @@ from rich.text import Text
 
 from compactrl.trace import NO_CURSOR, Trace
 
-LABEL, TRAINABLE, EVICTED, MARKER, EVENT, NOTE = (
+LABEL, TRAINABLE, EVICTED, MARKER, EVENT, NOTE, ALERT = (
     "bold cyan",
     "green",
     "dim strike",
     "dim red",
     "bold yellow",
     "italic magenta",
+    "bold red",
 )
 
 
@@ -32,17 +42,111 @@ class TraceViewError(IndexError, ValueError):
     """A trace index or step outside the valid range; the message names the range."""
 
 
+@dataclass
+class Message:
+    """A run of tokens shown as one group: one chat message (or, in an old per-append trace, the merged
+    appends of one)."""
+
+    start: int  # token indices [start, end)
+    end: int
+    first_turn: int
+    last_turn: int
+    role: str
+    segment: int
+    cursor: int
+    sampled: bool  # holds policy-sampled (trainable) tokens
+
+    def label(self) -> str:
+        a, b = self.first_turn, self.last_turn
+        text = (f"turn {a}" if a == b else f"turns {a}–{b}") + f" · {self.role} · seg {self.segment}"
+        return text + (f" · cursor {self.cursor}" if self.cursor != NO_CURSOR else "")
+
+
+def _runs(trace: Trace) -> list[Message]:
+    """Maximal runs of equal (turn, role, segment, cursor)."""
+    T = len(trace)
+    if not T:
+        return []
+    role = np.asarray(trace.role)
+    change = (
+        (np.diff(trace.turn) != 0)
+        | (role[1:] != role[:-1])
+        | (np.diff(trace.segment) != 0)
+        | (np.diff(trace.cursor) != 0)
+    )
+    bounds = [0, *(np.flatnonzero(change) + 1).tolist(), T]
+    return [
+        Message(
+            a,
+            b,
+            int(trace.turn[a]),
+            int(trace.turn[a]),
+            trace.role[a],
+            int(trace.segment[a]),
+            int(trace.cursor[a]),
+            bool(trace.trainable[a:b].any()),
+        )  # fmt: skip
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+def _follows(prev: Message, run: Message) -> bool:
+    same = (prev.role, prev.segment, prev.cursor) == (run.role, run.segment, run.cursor)
+    return same and run.first_turn == prev.last_turn + 1
+
+
+def per_append(trace: Trace, runs: list[Message] | None = None) -> bool:
+    """Whether the trace numbers turns per append (old rollouts): some sampled-only turn directly follows
+    an unsampled turn of the same role (a message header), and no turn mixes sampled and unsampled tokens."""
+    runs = _runs(trace) if runs is None else runs
+    if any(r.sampled and not trace.trainable[r.start : r.end].all() for r in runs):
+        return False
+    return any(r.sampled and not p.sampled and _follows(p, r) for p, r in zip(runs, runs[1:], strict=False))
+
+
+def messages(trace: Trace) -> tuple[list[Message], bool]:
+    """The groups the body shows (in stream order) and whether per-append runs were merged into them."""
+    runs = _runs(trace)
+    if not per_append(trace, runs):
+        return runs, False
+    out: list[Message] = []
+    for r in runs:
+        if out and _follows(out[-1], r):
+            m = out[-1]
+            m.end, m.last_turn, m.sampled = r.end, r.last_turn, m.sampled or r.sampled
+        else:
+            out.append(r)
+    return out, True
+
+
 def _turn_span(trace: Trace, idx: np.ndarray) -> str:
     a, b = int(trace.turn[idx].min()), int(trace.turn[idx].max())
     return f"turn {a}" if a == b else f"turns {a}–{b}"
 
 
+def _count(meta: dict, key: str) -> int | None:
+    v = meta.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 def header(trace: Trace) -> Text:
+    """One line of counts. ``turns`` counts messages; ``actions`` the assistant messages the policy sampled
+    (environment turns; a trace's ``meta["actions"]``, when the rollout wrote it, takes precedence, since
+    a pick compaction's answer is a sampled assistant message too). With ``meta["position_limit"]`` the
+    stream length is shown against the model's position limit (stream positions are never renumbered,
+    so the limit bounds the whole episode), in red when fewer positions are left than the trace's
+    longest message holds: the episode ran into the limit."""
     T = len(trace)
     peak = int(trace.live_counts().max()) if T else 0
+    msgs, merged = messages(trace)
+    ids = len(np.unique(trace.turn))
+    actions = _count(trace.meta, "actions")
+    if actions is None:
+        actions = sum(m.role == "assistant" and m.sampled for m in msgs)
     fields = [
         ("T", T),
-        ("turns", len(np.unique(trace.turn))),
+        ("turns", f"{len(msgs)} (merged from {ids} per-append ids)" if merged else len(msgs)),
+        ("actions", actions),
         ("segments", len(np.unique(trace.segment))),
         ("trainable", int(trace.trainable.sum())),
         ("evicted", trace.num_evicted),
@@ -52,11 +156,18 @@ def header(trace: Trace) -> Text:
     text = Text().append(f"rollout {trace.rollout_id or '(unnamed)'}", style="bold")
     for name, value in fields:
         text.append(f" · {name}={value}")
+    limit = _count(trace.meta, "position_limit")
+    if limit:
+        text.append(f" · positions {T:,} / {limit:,}")
+        left = limit - T
+        if left < max((m.end - m.start for m in msgs), default=1):
+            text.append(f" (at the limit: {max(left, 0):,} left)" if left >= 0 else " (past the limit)",
+                        style=ALERT)  # fmt: skip
     return text
 
 
 def _body(trace: Trace, idx: np.ndarray, console: Console, tokenizer, at: int | None) -> None:
-    """Print tokens ``idx`` (increasing) grouped by (turn, role, segment, cursor) runs.
+    """Print tokens ``idx`` (increasing) grouped by message (:func:`messages`), each group labelled.
 
     Stream mode (``at is None``): eviction events become rule lines before token ``e`` and evicted tokens are
     struck through with a ``⟨evicted @ e⟩`` marker after each span. ``at`` mode: gaps in ``idx`` (tokens
@@ -64,6 +175,10 @@ def _body(trace: Trace, idx: np.ndarray, console: Console, tokenizer, at: int | 
     """
     T = len(trace)
     events = {} if at is not None else dict(trace.eviction_events())
+    msgs, _ = messages(trace)
+    group = np.zeros(T, dtype=np.int64)
+    for n, m in enumerate(msgs):
+        group[m.start : m.end] = n
     line: Text | None = None
     key = None
     span_e = T  # eviction step of the open struck-through span, T = none open
@@ -96,11 +211,10 @@ def _body(trace: Trace, idx: np.ndarray, console: Console, tokenizer, at: int | 
             flush()
             console.print(Text(f"… {j - prev - 1} evicted …", style=NOTE))
         prev = j
-        k = (int(trace.turn[j]), trace.role[j], int(trace.segment[j]), int(trace.cursor[j]))
+        k = int(group[j])
         if k != key:
             flush()
-            label = f"[turn {k[0]} · {k[1]} · seg {k[2]}" + (f" · cursor {k[3]}" if k[3] != NO_CURSOR else "")
-            line, key = Text().append(label + "] ", style=LABEL), k
+            line, key = Text().append(f"[{msgs[k].label()}] ", style=LABEL), k
         e = int(trace.evict_at[j]) if at is None else T
         if e != span_e:
             close_span()
@@ -122,7 +236,7 @@ def show_traces(
     at: int | None = None,
     max_tokens: int | None = None,
 ) -> None:
-    """Print each trace (or only ``traces[index]``): a header of counts, then the stream grouped by turn.
+    """Print each trace (or only ``traces[index]``): a header of counts, then the stream grouped by message.
 
     ``at=i`` shows only what the model saw when it fed token ``i`` (``trace.visible(i)``); ``max_tokens``
     truncates each printed stream with a note. ``tokenizer`` is any object with ``token_text(int) -> str``;

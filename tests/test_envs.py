@@ -4,14 +4,24 @@ import asyncio
 
 import pytest
 
-from compactrl.agent.batch import run_episodes
+from compactrl.agent.batch import RolloutConfig, run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import RolloutSettings
 from compactrl.compaction import Context, StepView, build_strategy
 from compactrl.compaction import SlidingWindow as SlidingWindowConfig
 from compactrl.compaction.pick import Pick
+from compactrl.config import load_config
 from compactrl.engine import Engine, EngineConfig
-from compactrl.envs import EnvError, guarded
+from compactrl.envs import (
+    CountConfig,
+    EnvError,
+    RecallConfig,
+    RoomsConfig,
+    TextWorldConfig,
+    guarded,
+    make_env,
+)
+from compactrl.envs import textworld_env as tw_env
 from compactrl.envs.textworld_env import TextWorldEnv, game_command, game_path
 from compactrl.models.tiny import write_tiny_model
 
@@ -74,6 +84,31 @@ def test_textworld_episodes_through_the_engine(tmp_path):
         assert r.compactions > 0 or r.turns < 3
         t = r.traces[0]
         assert "Admissible commands" in engine.tokenizer.decode(t.tokens.tolist())
+
+
+def test_system_prompt_per_env_config(tmp_path):
+    # tiny-model studies train on the exact streams of count, recall and rooms: no system message there
+    for cfg in (CountConfig(), RecallConfig(), RoomsConfig()):
+        assert cfg.system is None and make_env(cfg).reset(seed=1).system is None, cfg.name
+        assert "rollout.system" in type(cfg).model_fields["system"].description
+        mine = make_env(cfg.model_copy(update={"system": "Be brief."})).reset(seed=1)
+        assert mine.system == "Be brief."
+    # TextWorld tells an instruct model to answer with one listed command, and lists them
+    cfg = TextWorldConfig(cache_dir=str(tmp_path))
+    assert cfg.system == tw_env.SYSTEM and tw_env.SYSTEM in TextWorldConfig.model_fields["system"].description
+    first = make_env(cfg).reset(seed=3)
+    assert first.system == tw_env.SYSTEM and "admissible commands" in first.system
+    assert "Admissible commands:" in first.observation
+    # without the list, the default wording does not promise one; a set wording is kept as given
+    assert TextWorldEnv(list_commands=False, cache_dir=tmp_path).system == tw_env.SYSTEM_UNLISTED
+    assert TextWorldEnv(list_commands=False, system="Go.", cache_dir=tmp_path).system == "Go."
+    # from a TOML file, where there is no null: "" means no system message
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[env]\nname = "textworld"\ncache_dir = "{tmp_path}"\nsystem = ""\n')
+    env = make_env(load_config(RolloutConfig, toml).env)
+    assert env.reset(seed=3).system is None
+    over = load_config(RolloutConfig, None, ["env.name=count", "env.system=Reply with digits."])
+    assert make_env(over.env).reset(seed=0).system == "Reply with digits."
 
 
 class Broken:

@@ -5,7 +5,7 @@ import pytest
 from rich.console import Console
 
 from compactrl.trace import Trace
-from compactrl.trace_view import show_traces
+from compactrl.trace_view import header, messages, show_traces
 
 T = 14
 
@@ -46,9 +46,100 @@ def render(traces, **kw) -> Console:
 def test_header_counts():
     out = render([make_trace()], tokenizer=FakeTok()).export_text()
     assert (
-        "rollout r0 · T=14 · turns=5 · segments=3 · trainable=7 · evicted=5 · evictions=2 · peak live=9"
-        in out
+        "rollout r0 · T=14 · turns=5 · actions=2 · segments=3 · trainable=7 · evicted=5 · evictions=2 · "
+        "peak live=9" in out
     )
+    assert "positions" not in out  # no position_limit in meta
+
+
+# An episode as a rollout writes it, one turn id per chat message: (role, tokens), assistant messages as
+# header (1 token), sampled content, close (1 token). Turn 6 is a pick compaction request, 7 its answer.
+EPISODE = [("system", 3), ("user", 2), ("user", 3), ("assistant", 4), ("user", 3), ("assistant", 3),
+           ("user", 2), ("assistant", 3), ("user", 2), ("assistant", 4)]  # fmt: skip
+
+
+def episode_trace(per_append=False, meta=None) -> Trace:
+    """``per_append``: numbered as old rollouts did, a new turn id per append (header, content, close)."""
+    turn, role, trainable = [], [], []
+    t = 0
+    for r, n in EPISODE:
+        parts = [(1, False), (n - 2, True), (1, False)] if r == "assistant" else [(n, False)]
+        for k, (size, sampled) in enumerate(parts):
+            turn += [t + (k if per_append else 0)] * size
+            role += [r] * size
+            trainable += [sampled] * size
+        t += len(parts) if per_append else 1
+    return Trace.from_tokens(range(200, 200 + len(turn)), turn=turn, role=role, trainable=trainable,
+                             rollout_id="ep", meta=meta)  # fmt: skip
+
+
+def test_one_group_per_message_when_turns_are_per_message():
+    trace = episode_trace()
+    out = render([trace], tokenizer=FakeTok()).export_text()
+    assert "rollout ep · T=29 · turns=10 · actions=4 · segments=1 · trainable=6" in out
+    labels = re.findall(r"^\[(turn[^\]]*)\]", out, re.MULTILINE)
+    assert labels == [f"turn {t} · {r} · seg 0" for t, (r, _) in enumerate(EPISODE)]
+    # header, sampled content and close of one assistant message form one group
+    assert "[turn 3 · assistant · seg 0] w208 w209 w210 w211 \n" in out
+    # two user messages in a row stay two messages
+    assert "[turn 1 · user · seg 0] w203 w204 \n[turn 2 · user · seg 0] w205 w206 w207 \n" in out
+    msgs, merged = messages(trace)
+    assert not merged and [(m.start, m.end) for m in msgs][:4] == [(0, 3), (3, 5), (5, 8), (8, 12)]
+
+
+def test_per_append_traces_are_merged_by_message():
+    trace = episode_trace(per_append=True)
+    assert len(set(trace.turn.tolist())) == 18
+    out = render([trace], tokenizer=FakeTok()).export_text()
+    assert "turns=9 (merged from 18 per-append ids) · actions=4" in out
+    assert "[turns 3–5 · assistant · seg 0] w208 w209 w210 w211 \n" in out
+    # consecutive user messages with consecutive ids cannot be told apart: one group, labelled with both
+    assert "[turns 1–2 · user · seg 0] w203 w204 w205 w206 w207 \n" in out
+    # a trace with no sign of per-append numbering is labelled as it is (make_trace: header-less turns)
+    assert not messages(make_trace())[1]
+
+
+def test_groups_follow_segments_and_evictions():
+    # per-message turns; a compaction at token 12 evicts the first observation and action (turns 2-3)
+    trace = episode_trace()
+    T = len(trace)
+    evict_at = [12 if 5 <= j < 12 else T for j in range(T)]
+    segment = [0] * 12 + [1] * (T - 12)
+    t = Trace.from_tokens(trace.tokens, evict_at=evict_at, trainable=trace.trainable, turn=trace.turn,
+                          role=trace.role, segment=segment)  # fmt: skip
+    out = render([t], tokenizer=FakeTok()).export_text()
+    assert "── eviction @ 12: removed 7 tokens (turns 2–3) ──\n[turn 4 · user · seg 1] w212" in out
+    assert "turns=10 · actions=4 · segments=2" in out
+
+
+def test_actions_from_meta_take_precedence():
+    out = header(episode_trace(meta={"actions": 3})).plain  # turn 7 answered the pick request
+    assert "turns=10 · actions=3 ·" in out
+
+
+def test_position_limit_shown_and_highlighted_when_reached():
+    def trace(limit):
+        meta = {} if limit is None else {"position_limit": limit}
+        return Trace.from_tokens(range(1834), turn=[0] * 1000 + [1] * 834, meta=meta)
+
+    assert "positions" not in header(trace(None)).plain
+    for bad in ("8192", True, -1, 0):  # not a position count: not shown
+        assert "positions" not in header(trace(bad)).plain
+    far = header(trace(8192))
+    assert far.plain.endswith(" · peak live=1834 · positions 1,834 / 8,192")
+    # fewer positions left than the longest message (1000 tokens) holds: the episode ran into the limit
+    near = header(trace(2500))
+    assert near.plain.endswith(" · positions 1,834 / 2,500 (at the limit: 666 left)")
+    assert [near.plain[s.start : s.end] for s in near.spans if "red" in str(s.style)] == [
+        " (at the limit: 666 left)"
+    ]
+    assert not any("red" in str(s.style) for s in far.spans)
+    assert header(trace(1834)).plain.endswith("positions 1,834 / 1,834 (at the limit: 0 left)")
+    assert header(trace(1800)).plain.endswith("positions 1,834 / 1,800 (past the limit)")
+    # and it is what `trace show` prints
+    console = Console(record=True, width=300)
+    show_traces([trace(2500)], console, max_tokens=1)
+    assert "positions 1,834 / 2,500 (at the limit: 666 left)\n" in console.export_text()
 
 
 def test_eviction_markers_in_place():

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compactrl.envs import count, recall, rooms, textworld_env
 from compactrl.envs.base import Env, EnvError, Reset, Step, guarded
 from compactrl.envs.count import CountEnv
 from compactrl.envs.recall import VARIANTS, RecallEnv
@@ -18,6 +19,18 @@ __all__ = ["Env", "EnvConfig", "EnvError", "Reset", "Step", "guarded", "make_env
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_PRECEDENCE = "'' = no system message; the run's rollout.system, when set, overrides this"
+
+
+def _no_system(why: str, suggested: str):
+    """The ``system`` field of an env whose default is no system message (tiny-model studies)."""
+    return Field(
+        None,
+        description=f"system message (default: none, {why}; {_PRECEDENCE}). For an instruct model, "
+        f"e.g. {suggested!r}",
+    )
 
 
 class RecallConfig(_Config):
@@ -32,12 +45,14 @@ class RecallConfig(_Config):
         description="fraction of demonstrations with no assignment, answered with a "
         "uniformly drawn candidate: a warm-up prior to guess uniformly when the assignment is not visible",
     )
+    system: str | None = _no_system("the recall study trains on these exact streams", recall.SUGGESTED_SYSTEM)
 
 
 class CountConfig(_Config):
     name: Literal["count"] = "count"
     turns: int = Field(6, ge=1)
     action_tokens: int = Field(4, ge=1)
+    system: str | None = _no_system("the quickstart trains on these exact streams", count.SUGGESTED_SYSTEM)
 
 
 class RoomsConfig(_Config):
@@ -46,6 +61,9 @@ class RoomsConfig(_Config):
     query_room: int = Field(1, ge=1)
     filler: int = Field(8, ge=0, description="description items per room (observation length)")
     action_tokens: int = Field(8, ge=1)
+    system: str | None = _no_system(
+        "bench modes and configs/train/rooms_window.toml run these exact streams", rooms.SUGGESTED_SYSTEM
+    )
 
 
 class TextWorldConfig(_Config):
@@ -54,6 +72,11 @@ class TextWorldConfig(_Config):
     settings: dict[str, Any] = {}
     cache_dir: str = "~/.cache/compactrl/textworld"
     list_commands: bool = True
+    system: str | None = Field(
+        textworld_env.SYSTEM,
+        description=f"system message (default: {textworld_env.SYSTEM!r}; with list_commands = false: "
+        f"{textworld_env.SYSTEM_UNLISTED!r}; {_PRECEDENCE})",
+    )
 
     @model_validator(mode="after")
     def _installed(self):

@@ -17,7 +17,9 @@ from typing import Any, Protocol
 @dataclass
 class Reset:
     """The start of an episode. ``task`` is the first user message and is never compacted away;
-    ``observation``, if any, is its own message and may be (the recall task evicts it)."""
+    ``observation``, if any, is its own message and may be (the recall task evicts it).
+    ``system`` is the env's system message (its config's ``system``, else its built-in wording;
+    None: none); the rollout's own ``system`` setting, when set, takes precedence over it."""
 
     task: str
     observation: str = ""

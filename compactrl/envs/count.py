@@ -15,21 +15,26 @@ import random
 
 from compactrl.envs.base import Reset, Step
 
+# No system message by default: the quickstart's tiny model learns these exact streams from scratch,
+# and the task message already says what to reply. For an instruct model, e.g. this:
+SUGGESTED_SYSTEM = "You continue a count. Reply with only the next number, in digits, and nothing else."
+
 
 class CountEnv:
     name = "count"
 
-    def __init__(self, turns: int = 6, action_tokens: int = 4):
+    def __init__(self, turns: int = 6, action_tokens: int = 4, system: str | None = None):
         if turns < 1 or action_tokens < 1:
             raise ValueError(f"count needs turns >= 1 and action_tokens >= 1, got {turns}, {action_tokens}")
         self.turns, self.action_tokens = turns, action_tokens
+        self.system = system or None  # "" (what a TOML file can say): no system message
         self.n: int | None = None
 
     def reset(self, seed: int) -> Reset:
         self.n = random.Random(seed).randint(1, 50)
         self.t = 0
         task = "Count upward. Each turn, reply with only the next number."
-        return Reset(task=task, observation=str(self.n), max_tokens=self.action_tokens)
+        return Reset(task=task, observation=str(self.n), system=self.system, max_tokens=self.action_tokens)
 
     def step(self, action: str) -> Step:
         if self.n is None:

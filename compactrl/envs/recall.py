@@ -31,6 +31,12 @@ CANDIDATES = {
 }
 VARIANTS = tuple(CANDIDATES)
 _ANSWER = re.compile(r"^\s*Recall:\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
+# No system message by default: the recall study trains tiny models from scratch on these exact
+# streams, and the task message already gives the answer's form. For an instruct model, e.g. this:
+SUGGESTED_SYSTEM = (
+    "Follow the instructions exactly. When asked to count, reply with numbers separated by spaces. "
+    "When asked what you were assigned, reply with 'Recall: ' and the name, and nothing else."
+)
 
 
 def _rng(seed: int, stream: str) -> random.Random:
@@ -42,13 +48,21 @@ def _rng(seed: int, stream: str) -> random.Random:
 class RecallEnv:
     name = "recall"
 
-    def __init__(self, k: int = 64, variant: str = "fruit", answer_tokens: int = 16, prior_demos: float = 0):
+    def __init__(
+        self,
+        k: int = 64,
+        variant: str = "fruit",
+        answer_tokens: int = 16,
+        prior_demos: float = 0,
+        system: str | None = None,
+    ):
         if variant not in CANDIDATES:
             raise ValueError(f"recall variant {variant!r} unknown; choose one of {list(VARIANTS)}")
         if not 16 <= k <= 512:
             raise ValueError(f"recall k must be in [16, 512] decoded tokens, got {k}")
         self.k, self.variant, self.answer_tokens, self.prior_demos = k, variant, answer_tokens, prior_demos
         self.kind, self.candidates = CANDIDATES[variant]
+        self.system = system or None  # "" (what a TOML file can say): no system message
         self.answer: str | None = None
 
     def reset(self, seed: int, assigned: bool = True) -> Reset:
@@ -63,7 +77,8 @@ class RecallEnv:
             f"Afterwards you will be asked for your {self.kind}; reply exactly 'Recall: <{self.kind}>'."
         )
         said = f"Your {self.kind} is {self.answer}. " if assigned else ""
-        return Reset(task=task, observation=f"{said}Count upward from {self.start}.", max_tokens=self.k)
+        observation = f"{said}Count upward from {self.start}."
+        return Reset(task=task, observation=observation, system=self.system, max_tokens=self.k)
 
     def demo_reset(self, seed: int) -> Reset:
         """A demonstration episode: with probability ``prior_demos`` no assignment is shown and the

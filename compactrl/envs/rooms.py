@@ -24,12 +24,25 @@ FILLER = (
     "a narrow door, a cold hearth, a brass key hook, a pile of letters, a quiet draft, a low beam"
 ).split(", ")
 _ANSWER = re.compile(r"Code:\s*([A-Za-z]+)", re.IGNORECASE)
+# No system message by default: `bench modes` (README numbers) and configs/train/rooms_window.toml
+# (a tiny model trained from scratch) run these exact streams. For an instruct model, e.g. this:
+SUGGESTED_SYSTEM = (
+    "You walk through rooms. In each room, reply with only the word next. When asked for a code "
+    "word, reply with only 'Code: ' and the word, for example 'Code: amber'."
+)
 
 
 class RoomsEnv:
     name = "rooms"
 
-    def __init__(self, n_rooms: int = 20, query_room: int = 1, filler: int = 8, action_tokens: int = 8):
+    def __init__(
+        self,
+        n_rooms: int = 20,
+        query_room: int = 1,
+        filler: int = 8,
+        action_tokens: int = 8,
+        system: str | None = None,
+    ):
         if n_rooms < 1 or not 1 <= query_room <= n_rooms:
             raise ValueError(f"need n_rooms >= 1 and 1 <= query_room <= n_rooms, got {n_rooms}, {query_room}")
         self.n_rooms, self.query_room, self.filler, self.action_tokens = (
@@ -38,6 +51,7 @@ class RoomsEnv:
             filler,
             action_tokens,
         )
+        self.system = system or None  # "" (what a TOML file can say): no system message
         self.codes: list[str] = []
 
     def _room(self, i: int) -> str:
@@ -52,7 +66,7 @@ class RoomsEnv:
             f"You walk through {self.n_rooms} rooms, one per turn. Remember the code words. At the last "
             "door you will be asked for one of them; answer 'Code: <word>'."
         )
-        return Reset(task=task, observation=self._room(1), max_tokens=self.action_tokens)
+        return Reset(task=task, observation=self._room(1), system=self.system, max_tokens=self.action_tokens)
 
     def step(self, action: str) -> Step:
         if not self.codes:

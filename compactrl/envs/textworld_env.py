@@ -4,7 +4,9 @@
 cooking) with its settings; the seed picks the game. A game is compiled once per (challenge,
 settings, seed) into ``cache_dir`` and reused. The task is the game's objective; each observation
 is the game's feedback followed by the admissible commands; the reward is the score gained by
-the step (intermediate rewards), and the episode ends when the game is won or lost.
+the step (intermediate rewards), and the episode ends when the game is won or lost. The system
+message (``SYSTEM``, or ``SYSTEM_UNLISTED`` when the commands are not listed) tells an instruct
+model to answer with one command and nothing else.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
 }
 CHALLENGES = tuple(DEFAULT_SETTINGS)
+SYSTEM = (
+    "You are playing a text adventure. Each turn you see what happened and the admissible commands. "
+    "Reply with exactly one of the admissible commands, as written, and nothing else."
+)
+SYSTEM_UNLISTED = (  # the default when list_commands is off
+    "You are playing a text adventure. Each turn you see what happened. Reply with one short "
+    "command, such as 'go north' or 'take coin', and nothing else."
+)
 _GENERATING = threading.RLock()
 _STATUS = re.compile(r"\n?>\s{8,}\S.*")
 
@@ -107,6 +117,7 @@ class TextWorldEnv:
         settings: dict[str, Any] | None = None,
         cache_dir: str | Path = "~/.cache/compactrl/textworld",
         list_commands: bool = True,
+        system: str | None = SYSTEM,
     ):
         if challenge not in DEFAULT_SETTINGS:
             raise ValueError(f"textworld challenge {challenge!r} unknown; choose one of {list(CHALLENGES)}")
@@ -119,6 +130,9 @@ class TextWorldEnv:
         self.settings = {**DEFAULT_SETTINGS[challenge], **(settings or {})}
         self.cache_dir = Path(cache_dir).expanduser()
         self.list_commands = list_commands
+        if system == SYSTEM and not list_commands:
+            system = SYSTEM_UNLISTED  # the default wording must not promise a list it does not show
+        self.system = system or None  # "" (what a TOML file can say): no system message
         self.env = None
 
     def _observe(self, gs) -> str:
@@ -140,7 +154,7 @@ class TextWorldEnv:
         self.score = gs.score
         room = gs.feedback.find("-= ")  # the intro is a banner, the objective, then the first room
         gs.feedback = gs.feedback[room:] if room >= 0 else gs.feedback
-        return Reset(task=gs.objective.strip(), observation=self._observe(gs))
+        return Reset(task=gs.objective.strip(), observation=self._observe(gs), system=self.system)
 
     def step(self, action: str) -> Step:
         if self.env is None:
