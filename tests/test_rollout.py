@@ -109,7 +109,9 @@ def test_recall_evicts_the_assignment_before_the_question(model_dir):
     assert f"Your fruit is {r.info['answer']}." in tok.decode(t.tokens[assign].tolist())
     e = int(t.evict_at[assign[0]])
     assert (t.evict_at[assign] == e).all()
-    question = ChatFormat.from_tokenizer(tok).message("user", "Which fruit were you assigned")[:-3]
+    chat = ChatFormat.from_tokenizer(tok).conversation()
+    chat.message("user", "the task")
+    question = chat.message("user", "Which fruit were you assigned")[:-3]
     assert t.tokens[e : e + len(question)].tolist() == question  # evicted right before the question
     assert np.isin(assign, t.visible(e - 1)).all()  # the counting saw the assignment
     assert not np.isin(assign, t.visible(e)).any()  # the question and the answer never do

@@ -159,7 +159,9 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)
-    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    fmt = ChatFormat.from_tokenizer(
+        engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
+    )
     strategy = build_strategy(cfg.strategy)
     seeds = [cfg.seed + i for i in range(cfg.episodes)]
     advance = progress(len(seeds)) if progress else (lambda: None)

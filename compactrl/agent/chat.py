@@ -1,74 +1,149 @@
-"""Exact-token chat rendering: a conversation only ever grows by appending tokens.
+"""Exact-token chat rendering with the model's own chat template: a stream only grows by appending.
 
 Frameworks that re-render the whole history with the chat template each turn re-tokenise it, and
-earlier tokens can change (BPE merging across a message boundary, templates that rewrite past
-assistant turns), so the trainer sees tokens the sampler never produced. Here each message is
-tokenised once, on its own, between the format's special-token boundaries, and sampled tokens are
-kept exactly as sampled: the stream the engine fed is the trace the trainer gets.
+earlier tokens can change (BPE merging across a boundary, templates that rewrite past turns), so
+the trainer sees tokens the sampler never produced. Here the template decides what every message
+looks like, but incrementally: a new message's tokens are the tokenisation of the text the template
+adds when the message joins the conversation (``render(messages + [m])`` minus ``render(messages)``),
+the generation prompt is what ``add_generation_prompt`` adds, and the close of an assistant message
+is what the template puts after its content. Sampled tokens are kept exactly as sampled and never
+re-tokenised. So a default system prompt (SmolLM2, Qwen2.5), a begin-of-text token (Llama 3) or any
+other template detail lands in the stream exactly as the model was trained to see it.
 
-Two formats, detected from the tokenizer's special tokens: ChatML (Qwen) and Llama 3.
+Each step checks that the template really appended. A template that rewrites earlier turns (Qwen3
+drops the reasoning of earlier assistant turns once a new user message follows) cannot be rendered
+incrementally; ``rewrites`` says what to do:
+
+* ``"error"`` (default): raise :class:`ChatTemplateError`, naming the message that changed.
+* ``"keep"``: earlier turns stay as they were fed. Each message is rendered as the template renders
+  it right after the conversation's first message, so no history is ever re-rendered; the stream
+  then differs from a fresh rendering of the whole conversation exactly where the template would
+  rewrite the past (for Qwen3: earlier reasoning blocks stay in context, as the model saw them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
 
 from compactrl.models.tokenizer import Tokenizer
+
+REWRITES = ("error", "keep")
+_MARK = "\ue000compactrl-content\ue000"  # a private-use marker that locates content inside a render
+
+
+class ChatTemplateError(ValueError):
+    """The chat template does not render a conversation by appending to it."""
+
+
+def _diff(before: str, after: str, what: str) -> str:
+    """The text ``after`` adds to ``before``; a ChatTemplateError if it is not a pure append."""
+    if after.startswith(before):
+        return after[len(before) :]
+    at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+    was, now = before[max(0, at - 40) : at + 40], after[max(0, at - 40) : at + 40]
+    raise ChatTemplateError(
+        f"the chat template rewrites earlier turns when {what}: at character {at} the rendering "
+        f"was {was!r} and becomes {now!r}. "
+        "A stream cannot be re-rendered (its tokens are already in the KV cache); set "
+        "rollout.chat_rewrites = 'keep' to keep earlier turns as they were fed, or use a template "
+        "that only appends"
+    )
 
 
 @dataclass(frozen=True)
 class ChatFormat:
-    name: str
+    """A model's chat template, used incrementally. One :class:`Conversation` per stream."""
+
     tokenizer: Tokenizer
-    begin: tuple[int, ...]  # once at the start of a stream (Llama 3's bos)
-    stop_ids: tuple[int, ...]  # a generated message ends with one of these
-    after_stop: tuple[int, ...]  # appended after the stop token (ChatML's newline)
-    _head: tuple[str, str]  # header = _head[0] + role + _head[1]
-    _strip: bool  # the template trims message content (Llama 3)
+    rewrites: Literal["error", "keep"] = "error"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking=False
 
     @classmethod
-    def from_tokenizer(cls, tok: Tokenizer) -> ChatFormat:
-        ids = {t: tok.encode(t) for t in ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|eot_id|>")}
-        single = {t: i[0] for t, i in ids.items() if len(i) == 1 and i[0] in tok.special_ids}
-        if "<|im_start|>" in single and "<|im_end|>" in single:
-            return cls(
-                "chatml", tok, (), (single["<|im_end|>"],), tuple(tok.encode("\n")),
-                ("<|im_start|>", "\n"), False,
-            )  # fmt: skip
-        if "<|start_header_id|>" in single and "<|eot_id|>" in single:
-            bos = () if tok.bos_token_id is None else (tok.bos_token_id,)
-            return cls(
-                "llama3", tok, bos, (single["<|eot_id|>"],), (),
-                ("<|start_header_id|>", "<|end_header_id|>\n\n"), True,
-            )  # fmt: skip
-        raise ValueError(
-            "the tokenizer has neither ChatML (<|im_start|>, <|im_end|>) nor Llama 3 "
-            "(<|start_header_id|>, <|eot_id|>) special tokens; use a Qwen- or Llama-3-style model"
-        )
+    def from_tokenizer(
+        cls, tok: Tokenizer, rewrites: str = "error", template_kwargs: dict[str, Any] | None = None
+    ) -> ChatFormat:
+        if rewrites not in REWRITES:
+            raise ValueError(f"chat rewrites={rewrites!r} unknown; choose one of {REWRITES}")
+        if tok.chat_template is None:
+            raise ValueError(
+                "the tokenizer has no chat template (no chat_template.jinja and no chat_template in "
+                "tokenizer_config.json); rollouts render every message with the model's own template"
+            )
+        fmt = cls(tok, rewrites, dict(template_kwargs or {}))
+        fmt.stop_ids  # noqa: B018 - fail now, not in the middle of a rollout
+        return fmt
 
-    def header(self, role: str) -> list[int]:
-        """The tokens that open a message (for ``assistant``: the generation prompt)."""
-        return self.tokenizer.encode(self._head[0] + role + self._head[1])
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.render_chat(messages, add_generation_prompt, **self.template_kwargs)
 
-    def content(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text.strip() if self._strip else text)
+    def conversation(self) -> Conversation:
+        return Conversation(self)
 
-    def end(self) -> list[int]:
-        """The tokens that close a message."""
-        return [*self.stop_ids[:1], *self.after_stop]
+    def _close_text(self, context: list[dict[str, str]]) -> str:
+        """What the template writes after an assistant message's content."""
+        prompt = self.render(context, add_generation_prompt=True)
+        body = _diff(prompt, self.render([*context, {"role": "assistant", "content": _MARK}]),
+                     "an assistant message follows its generation prompt")  # fmt: skip
+        if body.count(_MARK) != 1:
+            raise ChatTemplateError("the chat template does not render assistant content verbatim once")
+        return body.split(_MARK)[1]
 
-    def message(self, role: str, text: str) -> list[int]:
-        return self.header(role) + self.content(text) + self.end()
-
-    def close(self, generated: list[int]) -> list[int]:
-        """Tokens to append after a generation so the message is closed as the template closes it:
-        the rest of the end marker after a sampled stop token, else the whole end marker."""
-        if generated and generated[-1] in self.stop_ids:
-            return list(self.after_stop)
-        return self.end()
+    @cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end a generated message: the first token of the template's close (e.g.
+        ``<|im_end|>``, ``<|eot_id|>``), then the tokenizer's end-of-sequence ids."""
+        close = self.tokenizer.encode(self._close_text([{"role": "user", "content": "hi"}]))
+        if not close or close[0] not in self.tokenizer.special_ids:
+            raise ChatTemplateError(
+                "the chat template does not close an assistant message with a special token, so a "
+                "generation has no token to stop at; use a chat model's template"
+            )
+        rest = [i for i in self.tokenizer.eos_token_ids if i != close[0]]
+        return (close[0], *rest)
 
     def text(self, generated: list[int]) -> str:
         """The content of a generated message, without its stop token."""
         if generated and generated[-1] in self.stop_ids:
             generated = generated[:-1]
         return self.tokenizer.decode(generated, skip_special_tokens=True)
+
+
+class Conversation:
+    """One stream's messages; each call returns the tokens to append and records the message."""
+
+    def __init__(self, fmt: ChatFormat):
+        self.fmt = fmt
+        self.messages: list[dict[str, str]] = []
+
+    def _context(self) -> list[dict[str, str]]:
+        return self.messages if self.fmt.rewrites == "error" else self.messages[:1]
+
+    def message(self, role: str, text: str, record: bool = True) -> list[int]:
+        """Tokens of a whole message (system, user, tool, or a scripted assistant one); with
+        ``record=False`` only what they would be, the conversation unchanged."""
+        ctx, m = self._context(), {"role": role, "content": text}
+        added = _diff(self.fmt.render(ctx), self.fmt.render([*ctx, m]),
+                      f"message {len(self.messages)} ({role}) is added")  # fmt: skip
+        if record:
+            self.messages.append(m)
+        return self.fmt.tokenizer.encode(added)
+
+    def prompt(self) -> list[int]:
+        """The generation prompt (the assistant header) that precedes a generated message."""
+        ctx = self._context()
+        added = _diff(self.fmt.render(ctx), self.fmt.render(ctx, add_generation_prompt=True),
+                      "the generation prompt is added")  # fmt: skip
+        return self.fmt.tokenizer.encode(added)
+
+    def close(self, generated: list[int]) -> list[int]:
+        """Tokens that close a generated message as the template closes it (the rest of the close
+        after a sampled stop token, else the whole close); records the assistant message."""
+        close = self.fmt.tokenizer.encode(self.fmt._close_text(self._context()))
+        self.messages.append({"role": "assistant", "content": self.fmt.text(generated)})
+        if generated and generated[-1] == close[0]:
+            return close[1:]
+        return close

@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from compactrl.agent.chat import ChatFormat
+from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, Strategy
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.envs.base import Env, EnvError, guarded
@@ -46,7 +46,15 @@ class RolloutSettings(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = Field(False, description="generate exactly max_tokens (fixed-length benchmarks)")
-    system: str | None = Field(None, description="system prompt (default: none)")
+    system: str | None = Field(None, description="system prompt; overrides the env's (default: the env's)")
+    chat_rewrites: Literal["error", "keep"] = Field(
+        "error",
+        description="a chat template that rewrites earlier turns (Qwen3's reasoning): refuse, or keep "
+        "earlier turns as fed (see compactrl.agent.chat)",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        {}, description="extra chat template variables, e.g. {enable_thinking = false} for Qwen3"
+    )
     env_timeout_s: float = Field(60.0, gt=0, description="an env call that takes longer ends its episode")
 
 
@@ -58,6 +66,7 @@ class _Piece:
     tokens: list[int]
     origins: range
     start: int  # index in the current session's stream
+    turn: int  # the chat message it belongs to
 
 
 @dataclass
@@ -116,6 +125,7 @@ class Episode:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
         self.engine, self.fmt, self.env, self.settings = engine, fmt, env, settings
+        self.chat: Conversation = fmt.conversation()
         self.strategy = None if mode == "full" else strategy
         self.mode, self.seed = mode, seed
         self.sample_seed = seed if sample_seed is None else sample_seed  # a group: one env seed, many
@@ -139,24 +149,29 @@ class Episode:
         self.session = self.engine.session(self.rollout_id)
         self.origin_log.append([])
 
-    def _record(self, owner: int, tokens: list[int], start: int, origins: range | None = None) -> None:
+    def _record(self, owner: int, tokens: list[int], start: int, turn: int, origins: range | None = None):
         """Note tokens that now sit at ``start`` in the current session (new ones get fresh origins)."""
         if origins is None:
             origins = range(self.origin, self.origin + len(tokens))
             self.origin += len(tokens)
-        self.pieces.append(_Piece(owner, list(tokens), origins, start))
+        self.pieces.append(_Piece(owner, list(tokens), origins, start, turn))
         self.origin_log[-1].extend(origins)
 
-    def _add(self, owner: int, tokens: list[int], role: str, origins: range | None = None) -> None:
-        """Append tokens to the current session."""
+    def _add(self, owner: int, tokens: list[int], role: str, turn: int, origins: range | None = None) -> None:
+        """Append tokens to the current session, labelled with their chat message ``turn``."""
         start = len(self.session.tokens)
-        self.session.append(tokens, role=role)
-        self._record(owner, tokens, start, origins)
+        self.session.append(tokens, role=role, turn=turn)
+        self._record(owner, tokens, start, turn, origins)
+
+    def _message(self, owner: int, role: str, text: str) -> None:
+        """Append a whole message, rendered by the model's chat template."""
+        turn = len(self.chat.messages)
+        self._add(owner, self.chat.message(role, text), role, turn)
 
     async def _generate(self, owner: int, role: str, max_tokens: int) -> list[int]:
-        """Header, generation, close; returns the generated ids."""
-        s = self.settings
-        self._add(owner, self.fmt.header("assistant"), role)
+        """Generation prompt, generation, close; returns the generated ids."""
+        s, turn = self.settings, len(self.chat.messages)
+        self._add(owner, self.chat.prompt(), role, turn)
         params = SamplingParams(
             max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             stop_token_ids=[] if s.ignore_eos else list(self.fmt.stop_ids), ignore_eos=s.ignore_eos,
@@ -164,11 +179,11 @@ class Episode:
         )  # fmt: skip
         self.messages += 1
         start = len(self.session.tokens)
-        gen = await self.session.agenerate(params, role=role)
+        gen = await self.session.agenerate(params, role=role, turn=turn)
         toks = list(gen.tokens)
-        self._record(owner, toks, start)
-        close = self.fmt.close(toks)
-        self._add(owner, close, role)
+        self._record(owner, toks, start, turn)
+        self.last_generated = start + len(toks) - 1
+        self._add(owner, self.chat.close(toks), role, turn)
         self.result.generated_tokens += len(toks)
         return toks
 
@@ -188,7 +203,7 @@ class Episode:
         req = plan.request(ctx)
         answer_ids: list[int] = []
         if req is not None:
-            self._add(AUX, self.fmt.message("user", req.prompt), "user")
+            self._message(AUX, "user", req.prompt)
             answer_ids = await self._generate(AUX, req.role, req.max_tokens)
         answer = self.fmt.text(answer_ids) if req is not None else None
         decision: Decision = plan.decide(ctx, answer)
@@ -199,7 +214,7 @@ class Episode:
             for p in [p for p in self.pieces if p.owner == AUX][-3:]:  # header, generated, close
                 p.owner = sid
             if decision.resume:
-                self._add(sid, self.fmt.message("user", decision.resume), "user")
+                self._message(sid, "user", decision.resume)
         gone |= {AUX}
         for sid in gone:
             self.kinds.pop(sid, None)
@@ -217,7 +232,7 @@ class Episode:
             self._new_session()
             old, self.pieces = self.pieces, []
             for p in old:
-                self._add(p.owner, p.tokens, self._role(p), p.origins)
+                self._add(p.owner, p.tokens, self._role(p), p.turn, p.origins)
             self.result.segments += 1
 
     def _role(self, p: _Piece) -> str:
@@ -236,19 +251,17 @@ class Episode:
         try:
             self._new_session()
             reset = await guarded(self.env, "reset", self.seed, s.env_timeout_s)
-            system = reset.system if reset.system is not None else s.system
-            if fmt.begin:
-                self._add(HEAD, list(fmt.begin), "system")
-            if system is not None:
-                self._add(HEAD, fmt.message("system", system), "system")
-            self._add(HEAD, fmt.message("user", reset.task), "user")
+            system = s.system if s.system is not None else reset.system
+            if system:  # "" = no system message (TOML has no null)
+                self._message(HEAD, "system", system)
+            self._message(HEAD, "user", reset.task)
             if reset.observation:
-                self._add(self._new_step("step"), fmt.message("user", reset.observation), "user")
+                self._message(self._new_step("step"), "user", reset.observation)
             hint, since = reset.max_tokens, 0
             while True:
                 sid = self._new_step("step")
                 action_ids = await self._generate(sid, "assistant", hint or s.max_tokens)
-                last_token = len(self.session.tokens) - len(fmt.close(action_ids)) - 1  # the action's end
+                last_token = self.last_generated  # the action's end
                 r.turns += 1
                 since += 1
                 action = fmt.text(action_ids)
@@ -261,12 +274,12 @@ class Episode:
                 if r.turns >= s.max_turns:
                     r.truncated = True
                     break
-                obs = fmt.message("user", out.observation)
-                ctx = self._context(r.turns, since, action, len(obs))
+                incoming = len(self.chat.message("user", out.observation, record=False))
+                ctx = self._context(r.turns, since, action, incoming)
                 if self.strategy is not None and self.strategy.trigger(ctx):
                     await self._compact(ctx)
                     since = 0
-                self._add(sid, obs, "user")
+                self._message(sid, "user", out.observation)
                 hint = out.max_tokens
         except (EnvError, SessionError) as e:
             r.error = f"{type(e).__name__}: {e}"
@@ -300,5 +313,6 @@ class Episode:
             if self.mode == "reprefill":
                 t.segment[:] = i
             t.meta = {"env": r.env, "seed": r.seed, "mode": r.mode, "strategy": r.strategy,
-                      "episode": r.episode, "segment": i, "reward": r.reward}  # fmt: skip
+                      "episode": r.episode, "segment": i, "reward": r.reward,
+                      "actions": r.turns, "position_limit": self.engine.max_positions}  # fmt: skip
             r.traces.append(t)

@@ -50,7 +50,7 @@ def _strategy(name: str, window: int, budget: int):
 
 def _run(folder, make_env, strategy_cfg, mode, settings, seeds, concurrency, pool) -> tuple[float, list]:
     engine = Engine.from_pretrained(folder, config=EngineConfig(kv_pool_tokens=pool, max_step_tokens=2048))
-    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer, settings.chat_rewrites, settings.chat_template_kwargs)
     strategy = build_strategy(strategy_cfg)
     t0 = time.perf_counter()
     results = asyncio.run(run_episodes(engine, fmt, make_env, strategy, mode, settings, seeds, concurrency))

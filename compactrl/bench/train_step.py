@@ -65,7 +65,9 @@ def run_train_step_bench(
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
         engine = load_engine(cfg.model, cfg.engine, Path(tmp))
-    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    fmt = ChatFormat.from_tokenizer(
+        engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
+    )
     in_stream_mode = cfg.model_copy(update={"mode": "stream"})
     results = sample_batch(in_stream_mode, engine, fmt, build_strategy(cfg.strategy), 1)
     failed = [r.error for r in results if r.error is not None]

@@ -57,11 +57,11 @@ class VLLMSession:
         self.logprobs += lps if lps is not None else [float("nan")] * len(toks)
         self.metrics.peak_live_kv = max(self.metrics.peak_live_kv, len(self.tokens))
 
-    def append(self, tokens, *, role: str = "user"):
+    def append(self, tokens, *, role: str = "user", turn: int | None = None):
         self._extend([int(t) for t in tokens], role)
         return self
 
-    async def agenerate(self, params, *, role: str = "assistant") -> _Generation:
+    async def agenerate(self, params, *, role: str = "assistant", turn: int | None = None) -> _Generation:
         self.generating = True
         try:
             toks, lps, cached = await self.backend.submit(self.tokens, params)
@@ -99,6 +99,7 @@ class VLLMBackend:
         self.pending: list[tuple[list[int], object, asyncio.Future]] = []
         self.open: set[VLLMSession] = set()
         self.straggler_s = straggler_s
+        self.max_positions = llm.llm_engine.model_config.max_model_len
 
     def session(self, rollout_id: str | None = None) -> VLLMSession:
         s = VLLMSession(self, rollout_id or "")
@@ -169,8 +170,9 @@ def main(job_path: str) -> None:
         model=job["model"], dtype="float32", max_model_len=job["max_model_len"], enable_prefix_caching=True
     )
     startup = time.perf_counter() - t0
-    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(job["model"]))
     settings = RolloutSettings(**job["settings"])
+    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(job["model"]), settings.chat_rewrites,
+                                    settings.chat_template_kwargs)  # fmt: skip
     env_cfg = RoomsConfig(**job["env"])
     from pydantic import TypeAdapter
 

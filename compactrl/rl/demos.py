@@ -16,36 +16,48 @@ from compactrl.agent.chat import ChatFormat
 from compactrl.trace import Trace
 
 
-def demo_trace(fmt: ChatFormat, env, seed: int, evict_steps: dict[int, list[int]] | None = None) -> Trace:
+def demo_trace(
+    fmt: ChatFormat,
+    env,
+    seed: int,
+    evict_steps: dict[int, list[int]] | None = None,
+    system: str | None = None,
+) -> Trace:
     """One demonstration episode. ``evict_steps`` maps an action number to the step indices
-    deleted right after that action (before the reply is fed), as the ``evict_steps`` strategy does."""
+    deleted right after that action (before the reply is fed), as the ``evict_steps`` strategy does;
+    ``system`` overrides the env's system prompt, as the run's ``rollout.system`` does in rollouts."""
     reset = env.demo_reset(seed) if hasattr(env, "demo_reset") else env.reset(seed)
-    tokens: list[int] = list(fmt.begin)
-    trainable: list[bool] = [False] * len(tokens)
-    roles: list[str] = ["system"] * len(tokens)
+    chat = fmt.conversation()
+    tokens: list[int] = []
+    trainable: list[bool] = []
+    roles: list[str] = []
+    turns: list[int] = []
     spans: dict[int, list[tuple[int, int]]] = {}  # step index -> its spans
     evict_at = {}
 
-    def add(toks, role, train=False, step=None):
+    def add(toks, role, train=False, step=None, turn=None):
         if step is not None:
             spans.setdefault(step, []).append((len(tokens), len(tokens) + len(toks)))
+        turns.extend([len(chat.messages) - 1 if turn is None else turn] * len(toks))
         tokens.extend(toks)
         trainable.extend([train] * len(toks))
         roles.extend([role] * len(toks))
 
-    if reset.system is not None:
-        add(fmt.message("system", reset.system), "system")
-    add(fmt.message("user", reset.task), "user")
+    system = system if system is not None else reset.system
+    if system:
+        add(chat.message("system", system), "system")
+    add(chat.message("user", reset.task), "user")
     step = 0
     if reset.observation:
-        add(fmt.message("user", reset.observation), "user", step=0)
+        add(chat.message("user", reset.observation), "user", step=0)
     while True:
         step += 1
         action = env.demo_action()
-        add(fmt.header("assistant"), "assistant", step=step)
-        content = fmt.content(action) + list(fmt.stop_ids)
-        add(content, "assistant", train=True, step=step)
-        add(fmt.close(content), "assistant", step=step)
+        turn = len(chat.messages)
+        add(chat.prompt(), "assistant", step=step, turn=turn)
+        content = fmt.tokenizer.encode(action) + [fmt.stop_ids[0]]
+        add(content, "assistant", train=True, step=step, turn=turn)
+        add(chat.close(content), "assistant", step=step, turn=turn)
         out = env.step(action)
         if out.done:
             break
@@ -53,11 +65,11 @@ def demo_trace(fmt: ChatFormat, env, seed: int, evict_steps: dict[int, list[int]
             for a, b in spans.get(s, []):
                 for j in range(a, b):
                     evict_at[j] = len(tokens)
-        add(fmt.message("user", out.observation), "user", step=step)
+        add(chat.message("user", out.observation), "user", step=step)
     T = len(tokens)
     ev = np.full(T, T, dtype=np.int64)
     for j, e in evict_at.items():
         ev[j] = e
-    return Trace.from_tokens(tokens, evict_at=ev, trainable=np.array(trainable), role=roles,
+    return Trace.from_tokens(tokens, evict_at=ev, trainable=np.array(trainable), role=roles, turn=turns,
                              logprobs=np.where(trainable, 0.0, np.nan),
                              rollout_id=f"demo-{env.name}-{seed}", meta={"demo": True})  # fmt: skip

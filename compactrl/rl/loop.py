@@ -193,7 +193,7 @@ def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, en
         raise ValueError(f"sft_steps needs demonstrations; the {cfg.env.name} env has no demo_action()")
     evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if evicted else None
     seeds = [s * cfg.group_size + g for s in env_seeds for g in range(cfg.group_size)]
-    traces = [demo_trace(fmt, env, s, evict) for s in seeds]
+    traces = [demo_trace(fmt, env, s, evict, cfg.rollout.system) for s in seeds]
     stats = trainer.step(
         [Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)], loss="sft"
     )
@@ -233,7 +233,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     engine = load_engine(cfg.model, cfg.engine, run_dir)
     source = cfg.model.folder(run_dir)  # the tokenizer files checkpoints carry
     model = engine.model
-    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    fmt = ChatFormat.from_tokenizer(
+        engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
+    )
     strategy = build_strategy(cfg.strategy)
     head = ValueHead(model.config.hidden_size) if cfg.advantage == "gae" else None
     trainer = Trainer(model, cfg.train, head, temperature=cfg.rollout.temperature)  # adds LoRA when asked
@@ -387,7 +389,9 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
     """``episodes`` episodes on env seeds no training step uses, in the run's mode and strategy."""
     settings = cfg.rollout.model_copy(update={"temperature": 0.0}) if greedy else cfg.rollout
     seeds = [1_000_000_000 + cfg.seed + i for i in range(episodes)]
-    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    fmt = ChatFormat.from_tokenizer(
+        engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
+    )
     make = lambda: make_env(cfg.env)  # noqa: E731
     strategy = build_strategy(cfg.strategy)
     results = asyncio.run(run_episodes(engine, fmt, make, strategy, cfg.mode, settings, seeds, episodes))
