@@ -252,7 +252,6 @@ def test_bad_input_is_refused_and_leaves_sessions_untouched(tiny_lm):
         (lambda: a.evict([(3, 4)]), "already evicted"),
         (lambda: a.evict([(10, 12), (11, 13)]), "overlap"),
         (lambda: a.append(list(range(300)) * 2), "pool holds 500"),
-        (lambda: a.generate(SamplingParams(max_tokens=40000)), "position"),
         (lambda: a.append([1] * 40000), "positions"),
         (lambda: a.append([1], role="robot"), "role"),
         (lambda: a.generate(SamplingParams(stop=["x"])), "tokenizer"),
@@ -376,3 +375,55 @@ def test_hundreds_of_async_agents_in_an_oversubscribed_pool(tiny_lm):
     assert all(len(s.tokens) == 24 + 2 * (6 + 2) for s in sessions)
     assert eng.metrics()["preemptions"] > 0  # 200 x 40 tokens do not fit in 4000
     assert_matches_trainer(tiny_lm, sessions[::20])
+
+
+def test_empty_span_is_named_as_such(tiny_lm):
+    s = engine(tiny_lm).session()
+    s.append(list(range(10)))
+    for span in ((5, 5), (6, 4)):
+        with pytest.raises(SessionError, match=rf"span \({span[0]}, {span[1]}\) is an empty span"):
+            s.evict([span])
+    with pytest.raises(SessionError, match=r"span \(8, 11\) is outside the stream \[0, 10\)"):
+        s.evict([(8, 11)])
+    assert all(e is None for e in s.evict_at)
+
+
+def test_position_limit_bounds_every_token_ever_fed():
+    cfg = tiny_config("qwen3", vocab_size=300, eos_token_id=[1], max_position_embeddings=40)
+    lm = init_random(cfg, seed=0)
+    eng = engine(lm)
+    assert eng.position_limit == 40
+    s = eng.session("p")
+    s.append(list(range(2, 26)))
+    g = s.generate(SamplingParams(max_tokens=100, seed=0, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert g.finish_reason == "position_limit" and len(g.tokens) == 16 and len(s.tokens) == 40
+    assert s.fed == 40  # the last token was fed, at position 39
+    s.evict([(1, 30)])  # evicting frees KV, not positions
+    for call in (lambda: s.append([5]), lambda: s.generate(SamplingParams(max_tokens=1))):
+        with pytest.raises(SessionError, match=r"limit of 40 .*holds 40 tokens.*YaRN.*shorter episodes"):
+            call()
+    assert_matches_trainer(lm, [s])
+    t = eng.session("t")
+    t.append(list(range(30)))
+    with pytest.raises(SessionError, match="appending 11 tokens .* position limit of 40"):
+        t.append([1] * 11)
+    g = t.generate(SamplingParams(max_tokens=10, seed=1, ignore_eos=True))  # exactly to the limit
+    eng.run()
+    assert g.finish_reason == "length" and len(t.tokens) == 40
+
+
+def test_yarn_engine_with_evictions_matches_the_trainer_forward():
+    from compactrl.models.config import RopeConfig
+
+    rope = RopeConfig(rope_type="yarn", theta=10000.0, factor=4.0, original_max_position_embeddings=16)
+    for family in ("llama", "qwen3"):
+        cfg = tiny_config(family, vocab_size=300, eos_token_id=[1], rope=rope, max_position_embeddings=64)
+        lm = init_random(cfg, seed=2).eval()
+        eng = engine(lm, step=16)
+        sessions = [rollout(eng, k) for k in range(3)]  # ~50-token streams, past the original 16
+        for s in sessions:
+            s.generate(SamplingParams(max_tokens=4, seed=3, ignore_eos=True, model_logprobs=True))
+        eng.run()
+        assert all(len(s.tokens) > 40 and any(e is not None for e in s.evict_at) for s in sessions)
+        assert_matches_trainer(lm, sessions)

@@ -1,6 +1,7 @@
 """Our decoder against transformers on the same folders, loading paths, and refused configs."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def edit_config(tmp_path, **changes):
     "changes, match",
     [
         (dict(model_type="gemma2"), "model_type 'gemma2' is not supported"),
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope type 'dynamic' is not supported"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(architectures=["LlamaForSequenceClassification"]), "architectures"),
         (dict(num_key_value_heads=3), "multiple of"),
@@ -132,3 +133,172 @@ def test_missing_files_and_weights_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path)
+
+
+# ---- loader fidelity against transformers 5.24 (the oracle loads the same folder) ----------------
+def oracle_diff(folder, positions=None, T=48, seed=0):
+    """max |our logits - transformers' logits| on one random sequence, with an explicit causal mask
+    (transformers treats gapped or offset position_ids without a mask as packed documents)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    ours = load_model(folder)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    pos = (torch.arange(T) if positions is None else torch.as_tensor(positions))[None]
+    T = pos.shape[1]
+    ids = torch.randint(0, ours.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    with torch.no_grad():
+        a = ours(ids, pos)
+        b = theirs(input_ids=ids, position_ids=pos, attention_mask=causal[None, None]).logits
+    return float((a - b).abs().max()), ours
+
+
+def test_tied_config_with_a_distinct_lm_head_loads_untied_as_transformers(tmp_path):
+    write(tmp_path, "llama", tie_word_embeddings=True)
+    state = load_file(tmp_path / "model.safetensors")
+    head = torch.randn(state["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(3))
+    save_file(state | {"lm_head.weight": head}, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"model.safetensors.*tie_word_embeddings"):
+        diff, ours = oracle_diff(tmp_path)
+    assert diff <= 1e-4
+    assert not ours.config.tie_word_embeddings and torch.equal(ours.lm_head.weight, head)
+    assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()
+
+
+def test_tied_config_with_an_equal_lm_head_or_only_the_head_loads_tied(tmp_path):
+    write(tmp_path, "llama", tie_word_embeddings=True)
+    state = load_file(tmp_path / "model.safetensors")
+    emb = state["model.embed_tokens.weight"]
+    save_file(state | {"lm_head.weight": emb.clone()}, tmp_path / "model.safetensors")
+    lm = load_model(tmp_path)
+    assert lm.config.tie_word_embeddings and lm.lm_head.weight is lm.model.embed_tokens.weight
+    state.pop("model.embed_tokens.weight")  # only the head: transformers ties the embeddings to it
+    save_file(state | {"lm_head.weight": emb}, tmp_path / "model.safetensors")
+    diff, ours = oracle_diff(tmp_path)
+    assert diff <= 1e-4 and ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert torch.equal(ours.model.embed_tokens.weight, emb)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    "changes, omax",
+    [
+        (dict(rope_scaling=LLAMA3, max_position_embeddings=2048), 2048),  # missing: max_position_embeddings
+        (dict(rope_scaling=LLAMA3 | {"original_max_position_embeddings": 4096},
+              original_max_position_embeddings=512), 512),  # the top-level value wins
+        (dict(rope_scaling=None, rope_theta=None, rope_parameters=LLAMA3 | {"rope_theta": 5e5}), 32768),
+        (dict(rope_scaling=None, rope_parameters=LLAMA3 | {"original_max_position_embeddings": 700}), 700),
+    ],
+)  # fmt: skip
+def test_llama3_rope_parameters_resolve_as_transformers(tmp_path, changes, omax):
+    write(tmp_path, "llama")
+    edit_config(tmp_path, **changes)
+    diff, ours = oracle_diff(tmp_path, positions=torch.arange(3000, 3048))
+    assert ours.config.rope.original_max_position_embeddings == omax
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "rope, field",
+    [
+        ({"rope_type": "linear"}, "factor"),
+        ({"type": "linear"}, "factor"),
+        ({k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}, "low_freq_factor"),
+        ({k: v for k, v in LLAMA3.items() if k != "high_freq_factor"}, "high_freq_factor"),
+        ({"rope_type": "yarn", "original_max_position_embeddings": 64}, "factor"),
+    ],
+)
+def test_rope_configs_transformers_refuses_are_refused(tmp_path, rope, field):
+    transformers = pytest.importorskip("transformers")
+    write(tmp_path, "llama")
+    edit_config(tmp_path, rope_scaling=rope)
+    with pytest.raises(KeyError, match=field):  # the oracle refuses it too
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=f"needs \\['{field}'\\]"):
+        load_model(tmp_path)
+    edit_config(tmp_path, rope_scaling=None, rope_parameters=rope)  # the transformers 5 layout
+    with pytest.raises(UnsupportedModelError, match=field):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("family, head_dim", [("llama", 16), ("qwen2", 16), ("qwen3", 128)])
+def test_config_without_head_dim_gets_transformers_default(tmp_path, family, head_dim):
+    write(tmp_path, family, head_dim=head_dim)  # hidden 64, 4 heads: 16 derived; qwen3 defaults to 128
+    edit_config(tmp_path, head_dim=None)
+    diff, ours = oracle_diff(tmp_path)
+    assert ours.config.head_dim == head_dim and diff <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_missing_config_fields_default_as_in_transformers(tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    from compactrl.models.config import load_config
+
+    write(tmp_path, family)
+    fields = ("head_dim", "num_key_value_heads", "max_position_embeddings", "rope_theta", "rope_scaling")
+    edit_config(tmp_path, num_attention_heads=32, **dict.fromkeys(fields))  # qwen's kv default is 32
+    theirs, ours = transformers.AutoConfig.from_pretrained(tmp_path), load_config(tmp_path)
+    assert ours.num_key_value_heads == theirs.num_key_value_heads
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.head_dim == getattr(theirs, "head_dim", 64 // 32)
+    assert ours.rope.theta == theirs.rope_parameters["rope_theta"]
+
+
+# ---- YaRN ------------------------------------------------------------------------------------
+def yarn(**extra):
+    from compactrl.models.config import RopeConfig
+
+    return RopeConfig(
+        rope_type="yarn", theta=10000.0, factor=4.0, original_max_position_embeddings=32, **extra
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}, {"mscale": 1.0, "mscale_all_dim": 0.5},
+     {"attention_factor": 1.3}],
+)  # fmt: skip
+def test_yarn_logits_match_transformers_beyond_the_original_context(tmp_path, family, extra):
+    from compactrl.models.config import ModelConfig
+
+    model = write(tmp_path, family, rope=yarn(**extra), max_position_embeddings=128)
+    assert ModelConfig.from_hf(model.config.to_hf()) == model.config
+    diff, ours = oracle_diff(tmp_path, positions=torch.arange(0, 120))  # the original context is 32
+    assert ours.config.rope == model.config.rope and diff <= 1e-4
+    r = compare_with_transformers(tmp_path, T=120)  # and under an eviction mask
+    assert r["max_abs_logit_diff_evict_mask"] <= 1e-4
+
+
+def test_yarn_attention_scale_reaches_cos_and_sin():
+    from compactrl.models.decoder import CausalLM
+
+    cfg = tiny_config("qwen3", vocab_size=300, rope=yarn())
+    cos, sin = CausalLM(cfg).rope(torch.tensor([[0, 5]]), torch.float32)
+    scale = 0.1 * math.log(4.0) + 1.0
+    assert torch.allclose(cos[0, 0], torch.full_like(cos[0, 0], scale))
+    assert torch.allclose(cos[0, 1] ** 2 + sin[0, 1] ** 2, torch.full_like(cos[0, 1], scale**2))
+
+
+def test_yarn_from_hf_layouts_and_null_factor():
+    from compactrl.models.config import ModelConfig
+
+    hf = tiny_config("qwen2", vocab_size=300).to_hf()
+    hf["max_position_embeddings"] = 1024
+    hf["rope_scaling"] = {"type": "yarn", "factor": None, "original_max_position_embeddings": 256}
+    assert ModelConfig.from_hf(hf).rope.factor == 4.0  # transformers: max / original
+    hf["original_max_position_embeddings"] = 128  # top level wins
+    assert ModelConfig.from_hf(hf).rope.original_max_position_embeddings == 128
+    del hf["rope_scaling"], hf["original_max_position_embeddings"]
+    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 5e5, "truncate": False}
+    rope = ModelConfig.from_hf(hf).rope
+    assert (rope.theta, rope.factor, rope.original_max_position_embeddings, rope.truncate) == (
+        5e5,
+        2.0,
+        1024,
+        False,
+    )

@@ -87,8 +87,12 @@ class Engine:
         return self.model.config.vocab_size
 
     @property
-    def max_positions(self) -> int:
+    def position_limit(self) -> int:
+        """Tokens a session may ever feed: stream positions are never renumbered, so evicting does not
+        free any; a generation reaching it ends with finish reason ``"position_limit"``."""
         return self.model.config.max_position_embeddings
+
+    max_positions = position_limit
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -266,6 +270,8 @@ class Engine:
                 g._finish("stop")
             elif len(g.tokens) >= g.params.max_tokens:
                 g._finish("length")
+            elif len(s.tokens) >= self.position_limit:
+                g._finish("position_limit")
 
     def _tail_text(self, g: Generation) -> str:
         width = max(len(x) for x in g.params.stop) + 8

@@ -48,7 +48,7 @@ class Generation:
     role: str
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "position_limit"
     callbacks: list[Callable[[Generation], None]] = field(default_factory=list)
     future: asyncio.Future | None = None
 
@@ -119,12 +119,8 @@ class Session:
         bad = [t for t in toks if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise SessionError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.engine.vocab_size})")
-        if len(self.tokens) + len(toks) > self.engine.max_positions:
-            raise SessionError(
-                f"appending {len(toks)} tokens would take the stream past the model's "
-                f"{self.engine.max_positions} positions (stream positions are never renumbered, so evicting "
-                "does not free them); start a new session"
-            )
+        if len(self.tokens) + len(toks) > self.engine.position_limit:
+            raise SessionError(self._position_message(f"appending {len(toks)} tokens"))
         self.engine.check_fits(self, len(toks))
         turn = (self.turn[-1] + 1 if self.turn else 0) if turn is None else turn
         self._extend(toks, role=role, turn=turn, cursor=cursor)
@@ -139,16 +135,12 @@ class Session:
         self._check_idle("generate")
         if not self.tokens:
             raise SessionError("generate needs context: append a prompt first")
-        limit = self.engine.max_positions
-        end = len(self.tokens) + params.max_tokens
-        if end > limit:
-            raise SessionError(
-                f"max_tokens={params.max_tokens} would take the stream to {end} positions, beyond the "
-                f"model's limit of {limit} (evicting does not free positions); lower max_tokens"
-            )
+        room = self.engine.position_limit - len(self.tokens)  # the generation stops there at the latest
+        if room <= 0:
+            raise SessionError(self._position_message("generating a token"))
         if params.stop and self.engine.tokenizer is None:
             raise SessionError("stop strings need a tokenizer: create the engine with one")
-        self.engine.check_fits(self, params.max_tokens)
+        self.engine.check_fits(self, min(params.max_tokens, room))
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.eos_token_ids))
         if role not in ROLES:
             raise SessionError(f"role {role!r} is not one of {ROLES}")
@@ -182,6 +174,8 @@ class Session:
         idx: list[int] = []
         for s in spans:
             a, b = (s, s + 1) if isinstance(s, (int, np.integer)) else s
+            if a >= b:
+                raise SessionError(f"span ({a}, {b}) is an empty span: give (start, end) with start < end")
             if not 0 <= a < b <= T:
                 raise SessionError(f"span ({a}, {b}) is outside the stream [0, {T})")
             idx.extend(range(a, b))
@@ -264,6 +258,15 @@ class Session:
         self.metrics.peak_live_kv = max(self.metrics.peak_live_kv, self.live)
         if self.unfed:
             self.engine.wake(self)
+
+    def _position_message(self, what: str) -> str:
+        limit = self.engine.position_limit
+        return (
+            f"session {self.id}: {what} would take the stream past the model's position limit of {limit} "
+            f"(max_position_embeddings; the stream already holds {len(self.tokens)} tokens); stream "
+            "positions are never renumbered, so evicting does not free them: use a model or config with a "
+            "larger limit (e.g. YaRN rope scaling), or shorter episodes"
+        )
 
     def _check_open(self, what: str) -> None:
         if self.closed:

@@ -33,11 +33,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies, incl. the ``linear`` and ``llama3`` scalings (as transformers computes them)."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scale)`` for every RoPE type, computed as transformers 5.24 does;
+    cos and sin are multiplied by ``attention_scale`` (YaRN's magnitude correction, else 1)."""
+    base = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv = 1.0 / base
     if rope.rope_type == "linear":
-        return inv / rope.factor
+        return inv / rope.factor, 1.0
     if rope.rope_type == "llama3":
         old = rope.original_max_position_embeddings
         low_wavelen = old / rope.low_freq_factor
@@ -47,8 +49,40 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim, base)
+    return inv, 1.0
+
+
+def _yarn(rope: RopeConfig, head_dim: int, base: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), those turning more than ``beta_fast`` times are kept, and a
+    linear ramp blends the dimensions between; cos/sin are scaled by the attention factor."""
+    factor, old = rope.factor, rope.original_max_position_embeddings
+
+    def magnitude(m: float) -> float:  # 1 + 0.1 m ln(factor), 1 when the context is not extended
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if rope.attention_factor is not None:
+        scale = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        scale = float(magnitude(rope.mscale) / magnitude(rope.mscale_all_dim))
+    else:
+        scale = magnitude(1)
+
+    def dim_at(turns: float) -> float:  # the (fractional) dimension whose frequency turns `turns` times
+        return (head_dim * math.log(old / (turns * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    lo, hi = dim_at(rope.beta_fast or 32), dim_at(rope.beta_slow or 1)
+    if rope.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (unscaled) frequency
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,18 +174,22 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._rope: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, T, head_dim]`` in float32, cast to the activation dtype (as transformers)."""
-        inv = self._inv_freq.get(positions.device)
-        if inv is None:  # computed once per device (it is a function of the config alone)
-            inv = self._inv_freq[positions.device] = rope_inv_freq(self.config.rope, self.config.head_dim).to(
-                positions.device
-            )
+        """cos/sin ``[B, T, head_dim]`` in float32 (times YaRN's attention scale), cast to the
+        activation dtype (as transformers). Every forward path (model, engine, trainer) uses this."""
+        cached = self._rope.get(positions.device)
+        if cached is None:  # computed once per device (it is a function of the config alone)
+            inv, scale = rope_frequencies(self.config.rope, self.config.head_dim)
+            cached = self._rope[positions.device] = (inv.to(positions.device), scale)
+        inv, scale = cached
         freqs = positions[..., None].float() * inv
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype), sin.to(dtype)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
         """Final-norm hidden states ``[B, T, d]``. ``positions`` are stream indices (never renumbered)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,15 +58,15 @@ def load_model(
     cfg = load_config(model_dir)
     files = checkpoint_files(model_dir)
     dtype = resolve_dtype(dtype)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    state = {}
+    state, where = {}, {}
     for f in files:
         with safe_open(f, framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                state[name] = sf.get_tensor(name).to(dtype)
+                state[name], where[name] = sf.get_tensor(name).to(dtype), f
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        cfg = _tie(cfg, state, where, model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
     expected = {n for n, _ in model.named_parameters()}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -84,6 +85,30 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device).eval()
+
+
+def _tie(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], where: dict[str, Path], model_dir: Path
+) -> ModelConfig:
+    """``tie_word_embeddings: true`` as transformers 5.24 loads it: a checkpoint with only one of
+    the two matrices ties both to it; one with both, equal, ties them; one with both, different,
+    keeps both untied (with a warning) rather than dropping one."""
+    head, emb = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in state:
+        return cfg
+    if emb not in state:
+        state[emb] = state.pop(head)
+        return cfg
+    if torch.equal(state[head], state[emb]):
+        del state[head]
+        return cfg
+    warnings.warn(
+        f"{where[head]} holds an lm_head.weight that differs from model.embed_tokens.weight although "
+        f"{model_dir / 'config.json'} sets tie_word_embeddings=true; loading them untied, as transformers "
+        "does (set tie_word_embeddings to false in config.json to silence this)",
+        stacklevel=3,
+    )
+    return cfg.model_copy(update={"tie_word_embeddings": False})
 
 
 def save_model(model: CausalLM, model_dir: str | Path, extra_config: dict | None = None) -> None:

@@ -28,9 +28,19 @@ SIZES = {
     "base": (512, 8, 8, 4, 1408),
 }
 
+ROPES = {
+    "llama": RopeConfig(
+        rope_type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=1024,
+    ),
+    "qwen2": RopeConfig(rope_type="yarn", theta=1000000.0, factor=4.0, original_max_position_embeddings=8192),
+    "qwen3": RopeConfig(theta=1000000.0),
+}  # fmt: skip
+
 
 def tiny_config(family: Family, vocab_size: int, size: str = "tiny", **overrides) -> ModelConfig:
-    """A config exercising each family's particular features (llama3 RoPE, qkv bias, q/k-norm)."""
+    """A config exercising each family's particular features (llama3 RoPE; qkv bias and YaRN RoPE,
+    as Qwen2.5's long-context configs; q/k-norm)."""
     if size not in SIZES:
         raise ValueError(f"size {size!r} unknown; choose one of {list(SIZES)}")
     d, L, h, kv, f = SIZES[size]
@@ -48,9 +58,7 @@ def tiny_config(family: Family, vocab_size: int, size: str = "tiny", **overrides
         tie_word_embeddings=family == "qwen3",
         qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3",
-        rope=RopeConfig(rope_type="llama3", theta=500000.0, factor=8.0, original_max_position_embeddings=1024)
-        if family == "llama"
-        else RopeConfig(theta=1000000.0),
+        rope=ROPES[family],
     )
     return ModelConfig(**(fields | overrides))
 
