@@ -127,9 +127,15 @@ class Session:
         return self
 
     def generate(
-        self, params: SamplingParams | None = None, *, role: str = "assistant", on_done=None
+        self,
+        params: SamplingParams | None = None,
+        *,
+        role: str = "assistant",
+        turn: int | None = None,
+        on_done=None,
     ) -> Generation:
-        """Start decoding after everything appended so far; the engine fills ``Generation.tokens``."""
+        """Start decoding after everything appended so far; the engine fills ``Generation.tokens``.
+        ``turn`` labels the generated tokens (default: a new turn)."""
         params = params or SamplingParams()
         self._check_open("generate")
         self._check_idle("generate")
@@ -144,7 +150,7 @@ class Session:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.eos_token_ids))
         if role not in ROLES:
             raise SessionError(f"role {role!r} is not one of {ROLES}")
-        turn = self.turn[-1] + 1
+        turn = self.turn[-1] + 1 if turn is None else turn
         gen = Generation(
             self, params, make_generator(params.seed), frozenset(stop), len(self.tokens), turn, role
         )
@@ -154,9 +160,11 @@ class Session:
         self.engine.wake(self)
         return gen
 
-    async def agenerate(self, params: SamplingParams | None = None, *, role: str = "assistant") -> Generation:
+    async def agenerate(
+        self, params: SamplingParams | None = None, *, role: str = "assistant", turn: int | None = None
+    ) -> Generation:
         """``generate`` for asyncio agent loops; the engine's ``serve()`` task does the work."""
-        gen = self.generate(params, role=role)
+        gen = self.generate(params, role=role, turn=turn)
         gen.future = asyncio.get_running_loop().create_future()
         if gen.done:
             return gen
