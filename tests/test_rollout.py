@@ -246,3 +246,22 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "rollout").glob("*.
 def test_shipped_rollout_configs_are_valid(path):
     cfg = load_config(RolloutConfig, path)
     assert cfg.env.name in path.name or path.name.startswith(cfg.env.name)
+
+
+def test_a_stream_that_reaches_the_position_limit_ends_truncated_with_its_trace(tmp_path):
+    """Positions are never renumbered: a stream episode stops at max_position_embeddings however
+    much it evicted, truncated and flagged, with no error and its trace kept; re-prefill restarts
+    positions in every segment, so the same episodes run to their turn limit."""
+    folder = write_tiny_model(tmp_path / "m", max_position_embeddings=400)
+    rooms = lambda: RoomsEnv(n_rooms=30, filler=3)  # noqa: E731
+    settings = RolloutSettings(max_tokens=6, max_turns=12)
+    engine, stream = run(folder, rooms, SlidingWindow(max_turns=2), "stream", seeds=(1, 2), settings=settings)
+    _, repre = run(folder, rooms, SlidingWindow(max_turns=2), "reprefill", seeds=(1, 2), settings=settings)
+    for s, r in zip(stream, repre):
+        assert s.error is None and s.truncated and s.at_position_limit
+        assert s.compactions > 0 and len(s.traces[0]) <= 400 == s.traces[0].meta["position_limit"]
+        assert s.turns < r.turns == 12 and not r.at_position_limit and r.error is None
+    t = stream[0].traces[0]
+    with torch.no_grad():  # the trace is whole and valid
+        logp = stream_logprobs(engine.model, [t])[0].numpy()
+    assert np.allclose(logp[t.trainable], t.logprobs[t.trainable], atol=5e-5)

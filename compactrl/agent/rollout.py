@@ -58,6 +58,11 @@ class RolloutSettings(BaseModel):
     env_timeout_s: float = Field(60.0, gt=0, description="an env call that takes longer ends its episode")
 
 
+class _AtPositionLimit(Exception):
+    """The stream cannot grow: it holds the model's position limit (positions are never renumbered,
+    so evicting does not free any). The episode ends there, truncated, its trace kept."""
+
+
 @dataclass
 class _Piece:
     """A run of tokens of one owner (a step, the head, a request) in the current session."""
@@ -91,6 +96,7 @@ class EpisodeResult:
     preemptions: int = 0
     pick_fallbacks: int = 0
     truncated: bool = False
+    at_position_limit: bool = False  # truncated because the stream reached the model's positions
     error: str | None = None
     wall_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
@@ -160,6 +166,8 @@ class Episode:
     def _add(self, owner: int, tokens: list[int], role: str, turn: int, origins: range | None = None) -> None:
         """Append tokens to the current session, labelled with their chat message ``turn``."""
         start = len(self.session.tokens)
+        if start + len(tokens) > self.engine.position_limit:
+            raise _AtPositionLimit
         self.session.append(tokens, role=role, turn=turn)
         self._record(owner, tokens, start, turn, origins)
 
@@ -183,6 +191,8 @@ class Episode:
         toks = list(gen.tokens)
         self._record(owner, toks, start, turn)
         self.last_generated = start + len(toks) - 1
+        if gen.finish_reason == "position_limit":
+            raise _AtPositionLimit
         self._add(owner, self.chat.close(toks), role, turn)
         self.result.generated_tokens += len(toks)
         return toks
@@ -281,6 +291,8 @@ class Episode:
                     since = 0
                 self._message(sid, "user", out.observation)
                 hint = out.max_tokens
+        except _AtPositionLimit:
+            r.truncated = r.at_position_limit = True
         except (EnvError, SessionError) as e:
             r.error = f"{type(e).__name__}: {e}"
         finally:
@@ -314,5 +326,5 @@ class Episode:
                 t.segment[:] = i
             t.meta = {"env": r.env, "seed": r.seed, "mode": r.mode, "strategy": r.strategy,
                       "episode": r.episode, "segment": i, "reward": r.reward,
-                      "actions": r.turns, "position_limit": self.engine.max_positions}  # fmt: skip
+                      "actions": r.turns, "position_limit": self.engine.position_limit}  # fmt: skip
             r.traces.append(t)

@@ -99,7 +99,7 @@ class VLLMBackend:
         self.pending: list[tuple[list[int], object, asyncio.Future]] = []
         self.open: set[VLLMSession] = set()
         self.straggler_s = straggler_s
-        self.max_positions = llm.llm_engine.model_config.max_model_len
+        self.position_limit = llm.llm_engine.model_config.max_model_len
 
     def session(self, rollout_id: str | None = None) -> VLLMSession:
         s = VLLMSession(self, rollout_id or "")
