@@ -49,7 +49,11 @@ class ModelSource(BaseModel):
     @classmethod
     def _exists(cls, v: str | None) -> str | None:
         if v is not None and not (Path(v).expanduser() / "config.json").is_file():
-            raise ValueError(f"{v} has no config.json; point at a Hugging Face model folder or unset it")
+            raise ValueError(
+                f"{v} has no config.json; point at a Hugging Face model folder (import a GGUF one with "
+                "`compactrl import-gguf FILE DIR`; SmolLM2: `compactrl import-gguf --smollm2 DIR`), "
+                "or unset it"
+            )
         return v
 
 
