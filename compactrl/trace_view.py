@@ -5,11 +5,7 @@ Everything is printed as rich :class:`~rich.text.Text` built with explicit style
 token text such as ``[bold]`` is shown literally.
 
 Turns: a rollout gives the tokens of one chat message (header, content, close) one ``turn`` id, and the
-view shows one group per message. Older traces numbered every append (header, generation and close of one
-message were three turns); the view recognises them (a sampled-only turn right after an unsampled turn of
-the same role, and no turn mixing sampled and unsampled tokens) and merges consecutive runs of the same
-role, segment and cursor whose turn ids follow on, labelled with the id range. Anything else is labelled as
-the trace says.
+view shows one group per message, labelled as the trace says.
 """
 
 from __future__ import annotations
@@ -44,26 +40,23 @@ class TraceViewError(IndexError, ValueError):
 
 @dataclass
 class Message:
-    """A run of tokens shown as one group: one chat message (or, in an old per-append trace, the merged
-    appends of one)."""
+    """A run of tokens shown as one group: one chat message."""
 
     start: int  # token indices [start, end)
     end: int
-    first_turn: int
-    last_turn: int
+    turn: int
     role: str
     segment: int
     cursor: int
     sampled: bool  # holds policy-sampled (trainable) tokens
 
     def label(self) -> str:
-        a, b = self.first_turn, self.last_turn
-        text = (f"turn {a}" if a == b else f"turns {a}–{b}") + f" · {self.role} · seg {self.segment}"
+        text = f"turn {self.turn} · {self.role} · seg {self.segment}"
         return text + (f" · cursor {self.cursor}" if self.cursor != NO_CURSOR else "")
 
 
-def _runs(trace: Trace) -> list[Message]:
-    """Maximal runs of equal (turn, role, segment, cursor)."""
+def messages(trace: Trace) -> list[Message]:
+    """Maximal runs of equal (turn, role, segment, cursor), in stream order."""
     T = len(trace)
     if not T:
         return []
@@ -80,43 +73,13 @@ def _runs(trace: Trace) -> list[Message]:
             a,
             b,
             int(trace.turn[a]),
-            int(trace.turn[a]),
             trace.role[a],
             int(trace.segment[a]),
             int(trace.cursor[a]),
             bool(trace.trainable[a:b].any()),
         )  # fmt: skip
-        for a, b in zip(bounds, bounds[1:], strict=False)
+        for a, b in zip(bounds, bounds[1:])
     ]
-
-
-def _follows(prev: Message, run: Message) -> bool:
-    same = (prev.role, prev.segment, prev.cursor) == (run.role, run.segment, run.cursor)
-    return same and run.first_turn == prev.last_turn + 1
-
-
-def per_append(trace: Trace, runs: list[Message] | None = None) -> bool:
-    """Whether the trace numbers turns per append (old rollouts): some sampled-only turn directly follows
-    an unsampled turn of the same role (a message header), and no turn mixes sampled and unsampled tokens."""
-    runs = _runs(trace) if runs is None else runs
-    if any(r.sampled and not trace.trainable[r.start : r.end].all() for r in runs):
-        return False
-    return any(r.sampled and not p.sampled and _follows(p, r) for p, r in zip(runs, runs[1:], strict=False))
-
-
-def messages(trace: Trace) -> tuple[list[Message], bool]:
-    """The groups the body shows (in stream order) and whether per-append runs were merged into them."""
-    runs = _runs(trace)
-    if not per_append(trace, runs):
-        return runs, False
-    out: list[Message] = []
-    for r in runs:
-        if out and _follows(out[-1], r):
-            m = out[-1]
-            m.end, m.last_turn, m.sampled = r.end, r.last_turn, m.sampled or r.sampled
-        else:
-            out.append(r)
-    return out, True
 
 
 def _turn_span(trace: Trace, idx: np.ndarray) -> str:
@@ -138,14 +101,13 @@ def header(trace: Trace) -> Text:
     longest message holds: the episode ran into the limit."""
     T = len(trace)
     peak = int(trace.live_counts().max()) if T else 0
-    msgs, merged = messages(trace)
-    ids = len(np.unique(trace.turn))
+    msgs = messages(trace)
     actions = _count(trace.meta, "actions")
     if actions is None:
         actions = sum(m.role == "assistant" and m.sampled for m in msgs)
     fields = [
         ("T", T),
-        ("turns", f"{len(msgs)} (merged from {ids} per-append ids)" if merged else len(msgs)),
+        ("turns", len(msgs)),
         ("actions", actions),
         ("segments", len(np.unique(trace.segment))),
         ("trainable", int(trace.trainable.sum())),
@@ -175,7 +137,7 @@ def _body(trace: Trace, idx: np.ndarray, console: Console, tokenizer, at: int | 
     """
     T = len(trace)
     events = {} if at is not None else dict(trace.eviction_events())
-    msgs, _ = messages(trace)
+    msgs = messages(trace)
     group = np.zeros(T, dtype=np.int64)
     for n, m in enumerate(msgs):
         group[m.start : m.end] = n

@@ -58,17 +58,14 @@ EPISODE = [("system", 3), ("user", 2), ("user", 3), ("assistant", 4), ("user", 3
            ("user", 2), ("assistant", 3), ("user", 2), ("assistant", 4)]  # fmt: skip
 
 
-def episode_trace(per_append=False, meta=None) -> Trace:
-    """``per_append``: numbered as old rollouts did, a new turn id per append (header, content, close)."""
+def episode_trace(meta=None) -> Trace:
     turn, role, trainable = [], [], []
-    t = 0
-    for r, n in EPISODE:
+    for t, (r, n) in enumerate(EPISODE):
         parts = [(1, False), (n - 2, True), (1, False)] if r == "assistant" else [(n, False)]
-        for k, (size, sampled) in enumerate(parts):
-            turn += [t + (k if per_append else 0)] * size
+        for size, sampled in parts:
+            turn += [t] * size
             role += [r] * size
             trainable += [sampled] * size
-        t += len(parts) if per_append else 1
     return Trace.from_tokens(range(200, 200 + len(turn)), turn=turn, role=role, trainable=trainable,
                              rollout_id="ep", meta=meta)  # fmt: skip
 
@@ -83,20 +80,8 @@ def test_one_group_per_message_when_turns_are_per_message():
     assert "[turn 3 · assistant · seg 0] w208 w209 w210 w211 \n" in out
     # two user messages in a row stay two messages
     assert "[turn 1 · user · seg 0] w203 w204 \n[turn 2 · user · seg 0] w205 w206 w207 \n" in out
-    msgs, merged = messages(trace)
-    assert not merged and [(m.start, m.end) for m in msgs][:4] == [(0, 3), (3, 5), (5, 8), (8, 12)]
-
-
-def test_per_append_traces_are_merged_by_message():
-    trace = episode_trace(per_append=True)
-    assert len(set(trace.turn.tolist())) == 18
-    out = render([trace], tokenizer=FakeTok()).export_text()
-    assert "turns=9 (merged from 18 per-append ids) · actions=4" in out
-    assert "[turns 3–5 · assistant · seg 0] w208 w209 w210 w211 \n" in out
-    # consecutive user messages with consecutive ids cannot be told apart: one group, labelled with both
-    assert "[turns 1–2 · user · seg 0] w203 w204 w205 w206 w207 \n" in out
-    # a trace with no sign of per-append numbering is labelled as it is (make_trace: header-less turns)
-    assert not messages(make_trace())[1]
+    msgs = messages(trace)
+    assert [(m.start, m.end) for m in msgs][:4] == [(0, 3), (3, 5), (5, 8), (8, 12)]
 
 
 def test_groups_follow_segments_and_evictions():
