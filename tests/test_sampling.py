@@ -43,8 +43,8 @@ def test_greedy_is_argmax_with_untempered_logprob():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     out = sample(logits, SamplingParams(temperature=0.0, top_k=3, top_p=0.5))
     assert torch.equal(out.tokens, logits.argmax(-1))
-    ref = logits.log_softmax(-1).gather(-1, out.tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(out.logprobs, ref)
+    ref = logits.double().log_softmax(-1).gather(-1, out.tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, ref)  # float64 log-probs of the float32 logits
     assert out.model_logprobs is None
 
 
@@ -108,7 +108,7 @@ def test_ties_go_to_the_lower_token_id_and_top_p_stops_at_reaching_mass():
     for sp in (SamplingParams(top_p=0.5), SamplingParams(top_k=2), SamplingParams(top_k=3, top_p=0.6)):
         out = sample(logits, [sp.model_copy(update={"seed": i}) for i in range(200)])
         assert set(out.tokens.tolist()) == {0, 1}
-        torch.testing.assert_close(out.logprobs, torch.full((200,), math.log(0.5)))
+        torch.testing.assert_close(out.logprobs, torch.full((200,), math.log(0.5), dtype=torch.float64))
 
 
 def test_top_p_one_keeps_the_tail_when_float32_cumsum_overshoots():
@@ -187,7 +187,7 @@ def test_model_logprobs_are_raw_log_softmax_at_sampled_token():
         for i in range(10)
     ]
     out = sample(logits, params)
-    ref = logits.log_softmax(-1).gather(-1, out.tokens[:, None]).squeeze(-1)
+    ref = logits.double().log_softmax(-1).gather(-1, out.tokens[:, None]).squeeze(-1)
     torch.testing.assert_close(out.model_logprobs, ref)
     assert (out.logprobs > out.model_logprobs).all()  # truncation + low temperature sharpen the top tokens
 

@@ -82,8 +82,8 @@ class SamplingParams(pydantic.BaseModel):
 @dataclass
 class SampleOutput:
     tokens: torch.Tensor  # long [B]
-    logprobs: torch.Tensor  # float32 [B], under the distribution sampled from
-    model_logprobs: torch.Tensor | None  # float32 [B], log_softmax(raw logits); None if no row asked
+    logprobs: torch.Tensor  # float64 [B], under the distribution sampled from
+    model_logprobs: torch.Tensor | None  # float64 [B], log_softmax(raw logits); None if no row asked
 
 
 def make_generator(seed: int | None) -> random.Random | None:
@@ -122,7 +122,9 @@ class Sampler:
     ) -> SampleOutput:
         B, V = logits.shape
         assert len(params) == B and len(generators) == B, "one SamplingParams and generator per row"
-        logits = logits.float()
+        # float64: over a real vocabulary (49k) a float32 log-softmax alone is off by ~3e-5 nats, which
+        # would hide the engine/trainer agreement; B x V doubles cost nothing next to the forward
+        logits = logits.double()
         dev = logits.device
         model_lp = logits.log_softmax(-1)
         temps = [p.temperature for p in params]
@@ -147,7 +149,7 @@ class Sampler:
             # else is in the batch, and V times fewer random numbers than Gumbel noise
             unseeded = iter(torch.rand(sum(g is None for g in generators), dtype=torch.float64).tolist())
             u = [0.0 if gr else (g.random() if g else next(unseeded)) for gr, g in zip(greedy, generators)]
-            cdf = lp.double().exp().cumsum(-1)
+            cdf = lp.exp().cumsum(-1)
             target = torch.tensor(u, dtype=torch.float64, device=dev) * cdf[:, -1]
             # first index whose cdf exceeds the target: never a probability-0 token (a flat cdf step)
             tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_max(V - 1)
