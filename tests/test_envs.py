@@ -22,7 +22,7 @@ from compactrl.envs import (
     make_env,
 )
 from compactrl.envs import textworld_env as tw_env
-from compactrl.envs.textworld_env import TextWorldEnv, game_command, game_path
+from compactrl.envs.textworld_env import TextWorldEnv, game_command, game_path, match_command
 from compactrl.models.tiny import write_tiny_model
 
 pytest.importorskip("textworld")
@@ -61,6 +61,22 @@ def test_textworld_game_is_generated_once_and_played(tmp_path):
     assert step.reward == 1.0 and step.done and step.info["won"]
     env.close()
     assert [game_command(a) for a in ("\\", " go\\x north\n x", "")] == ["look", "gox north", "look"]
+
+
+def test_textworld_matches_a_reply_that_names_an_admissible_command(tmp_path):
+    cmds = ["go west", "go east", "take coin", "look"]
+    assert match_command("I'll go west, I think.", cmds) == "go west"
+    assert match_command("Go West", cmds) == "go west"
+    assert match_command("take coins", cmds) is None  # whole words only
+    assert match_command("look around and go east", cmds) == "go east"  # the longest named command
+    assert match_command("You are in a cellar.", cmds) is None
+    for matching in (False, True):  # negative control: without matching the reply is played verbatim
+        env = TextWorldEnv("coin_collector", {"level": 1}, cache_dir=tmp_path, match_commands=matching)
+        env.reset(seed=3)
+        step = env.step("I will take coin now.")
+        assert step.info["command"] == ("take coin" if matching else "I will take coin now.")
+        assert step.done == matching and step.reward == float(matching)
+        env.close()
 
 
 def test_textworld_rejects_unknown_settings(tmp_path):

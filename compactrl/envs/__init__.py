@@ -72,6 +72,11 @@ class TextWorldConfig(_Config):
     settings: dict[str, Any] = {}
     cache_dir: str = "~/.cache/compactrl/textworld"
     list_commands: bool = True
+    match_commands: bool = Field(
+        False,
+        description="a reply that is not an admissible command but names one as whole words "
+        "(\"I'll go west\") plays that command; off: the reply's first line is played as written",
+    )
     system: str | None = Field(
         textworld_env.SYSTEM,
         description=f"system message (default: {textworld_env.SYSTEM!r}; with list_commands = false: "

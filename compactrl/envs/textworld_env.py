@@ -99,6 +99,14 @@ def make_game(cache_dir: Path, challenge: str, settings: dict, seed: int) -> Pat
     return path
 
 
+def match_command(action: str, admissible: list[str]) -> str | None:
+    """The admissible command a free-text reply names: the reply itself when it is one, else the
+    longest admissible command it contains as whole words ("I'll go west now" -> "go west")."""
+    text = " ".join(re.findall(r"[a-z0-9']+", action.lower()))
+    named = [c for c in admissible if re.search(rf"(^| ){re.escape(c.lower())}( |$)", text)]
+    return max(named, key=len) if named else None
+
+
 def game_command(action: str) -> str:
     """The command the interpreter gets: the action's first line, printable ASCII only. The Z-machine
     interpreter (dumb-frotz) reads a backslash as the start of one of its own commands, and some of
@@ -118,6 +126,7 @@ class TextWorldEnv:
         cache_dir: str | Path = "~/.cache/compactrl/textworld",
         list_commands: bool = True,
         system: str | None = SYSTEM,
+        match_commands: bool = False,
     ):
         if challenge not in DEFAULT_SETTINGS:
             raise ValueError(f"textworld challenge {challenge!r} unknown; choose one of {list(CHALLENGES)}")
@@ -130,12 +139,15 @@ class TextWorldEnv:
         self.settings = {**DEFAULT_SETTINGS[challenge], **(settings or {})}
         self.cache_dir = Path(cache_dir).expanduser()
         self.list_commands = list_commands
+        self.match_commands = match_commands
+        self.admissible: list[str] = []
         if system == SYSTEM and not list_commands:
             system = SYSTEM_UNLISTED  # the default wording must not promise a list it does not show
         self.system = system or None  # "" (what a TOML file can say): no system message
         self.env = None
 
     def _observe(self, gs) -> str:
+        self.admissible = list(gs.admissible_commands or [])
         text = _STATUS.sub("", gs.feedback)  # the Z-machine status line (prompt, room, score)
         text = re.sub(r"\n{3,}", "\n\n", text).strip()
         if self.list_commands and gs.admissible_commands:
@@ -159,9 +171,13 @@ class TextWorldEnv:
     def step(self, action: str) -> Step:
         if self.env is None:
             raise RuntimeError("call reset() before step()")
-        gs, _, done = self.env.step(game_command(action))
+        command = game_command(action)
+        if self.match_commands and command not in self.admissible:
+            command = match_command(action, self.admissible) or command
+        gs, _, done = self.env.step(command)
         reward, self.score = gs.score - self.score, gs.score
-        info = {"score": gs.score, "max_score": gs.max_score, "won": bool(gs.won), "lost": bool(gs.lost)}
+        info = {"score": gs.score, "max_score": gs.max_score, "won": bool(gs.won), "lost": bool(gs.lost),
+                "command": command}  # fmt: skip
         return Step(self._observe(gs), reward=float(reward), done=bool(done), info=info)
 
     def close(self) -> None:
