@@ -151,7 +151,8 @@ class TextWorldEnv:
         text = _STATUS.sub("", gs.feedback)  # the Z-machine status line (prompt, room, score)
         text = re.sub(r"\n{3,}", "\n\n", text).strip()
         if self.list_commands and gs.admissible_commands:
-            text += f"\nAdmissible commands: {', '.join(gs.admissible_commands)}\nWhich command do you choose?"
+            listed = ", ".join(gs.admissible_commands)
+            text += f"\nAdmissible commands: {listed}\nWhich command do you choose?"
         return text
 
     def reset(self, seed: int) -> Reset:
