@@ -53,7 +53,9 @@ def test_textworld_game_is_generated_once_and_played(tmp_path):
     stamp = path.stat().st_mtime_ns
     env.reset(seed=3)
     assert path.stat().st_mtime_ns == stamp  # cached, not regenerated
-    commands = first.observation.split("Admissible commands: ")[1].split(", ")
+    listed, question = first.observation.split("Admissible commands: ")[1].split("\n")
+    commands = listed.split(", ")
+    assert question == "Which command do you choose?"
     assert "take coin" in commands
     for garbage in ("\\x\\n\\q look", "\\", "\x01\t\u00e9"):  # interpreter escapes once crashed the process
         assert not env.step(garbage).done
