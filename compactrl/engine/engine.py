@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache, Segment
+from compactrl.engine.linear import Linears, MatmulMode
 from compactrl.engine.runner import Feed, forward_step, prefill_stream
 from compactrl.engine.sampling import Sampler, find_stop
 from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError
@@ -55,6 +56,12 @@ class EngineConfig(BaseModel):
     idle_grace_s: float = Field(
         0.1, ge=0, description="an idle session is not displaced by admissions until idle this long"
     )
+    matmul: MatmulMode = Field(
+        "auto",
+        description="bfloat16/float16 GEMMs: native, float32 (weights converted block by block, float32 "
+        "GEMM, output rounded), or auto (float32 for steps of 2+ tokens on a CPU without native bfloat16 "
+        "GEMMs); float32 models always run natively",
+    )
 
 
 class Engine:
@@ -68,6 +75,7 @@ class Engine:
         self.kv = KVCache(model.config, p.dtype, p.device)
         self.sampler = Sampler()
         self.projections = [FusedProjection(layer.self_attn) for layer in model.model.layers]
+        self.linears = Linears(model, self.config.matmul)
         self.sessions: list[Session] = []
         self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
         self.segments: set[Segment] = set()
@@ -140,7 +148,7 @@ class Engine:
         child.drops = type(parent.drops)((e, list(idx)) for e, idx in parent.drops)
         child.pending_logits = None if parent.pending_logits is None else parent.pending_logits.clone()
         if parent.row is not None:  # freeze the parent's row into a prefix both of them read
-            seg = Segment(parent.row, self.kv.stream_index(parent.row).numpy().copy(), refs=2)
+            seg = Segment(parent.row, self.kv.stream_index(parent.row).cpu().numpy().copy(), refs=2)
             self.segments.add(seg)
             mask = self.kv.valid[parent.row, : seg.n].clone()
             for g, _ in parent.chain:
@@ -175,9 +183,9 @@ class Engine:
         while s.row is not None and s.drops and s.drops[0][0] == s.fed:
             _, idx = s.drops.popleft()
             idx = np.asarray(idx)
-            pos, mine = _locate(self.kv.stream_index(s.row).numpy(), idx)
+            pos, mine = _locate(self.kv.stream_index(s.row).cpu().numpy(), idx)
             if mine.any():
-                self.kv.invalidate(s.row, torch.as_tensor(pos[mine]))
+                self.kv.invalidate(s.row, torch.as_tensor(pos[mine], device=self.kv.device))
             for j in idx[~mine]:
                 for seg, mask in s.chain:
                     p, found = _locate(seg.stream_index, np.array([j]))
@@ -232,11 +240,13 @@ class Engine:
             return
         T = s.fed
         ev = torch.tensor([T if e is None or e >= T else e for e in s.evict_at[:T]])
-        ks, vs, logits = prefill_stream(self.model, s.tokens[:T], ev)
+        ks, vs, logits = prefill_stream(
+            self.model, s.tokens[:T], ev, linears=self.linears, projections=self.projections
+        )
         # live now: never evicted, evicted later than T, or evicted at T by a drop still pending
         pending = {j for e, idx in s.drops if e == T for j in idx}
         alive = [j for j, e in enumerate(s.evict_at[:T]) if e is None or e > T or j in pending]
-        keep = torch.tensor(alive, dtype=torch.long)
+        keep = torch.tensor(alive, dtype=torch.long, device=self.kv.device)
         start = self.kv.append(s.row, len(keep))
         for li in range(self.kv.n_layers):
             self.kv.k[li][s.row, :, start : start + len(keep)] = ks[li].index_select(1, keep)
@@ -289,7 +299,7 @@ class Engine:
         feeds, pool_used = self._schedule()
         if feeds:
             t0 = time.perf_counter()
-            logits = forward_step(self.model, self.kv, feeds, self.projections)
+            logits = forward_step(self.model, self.kv, feeds, self.projections, self.linears)
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):
                 self._fed(f, logits.get(i))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compactrl.engine.linear import Linears
 from compactrl.models.decoder import Attention, rotate_half
 
 
@@ -62,8 +63,9 @@ class FusedProjection:
             self.head_norm = torch.tensor([0] * a.n_heads + [1] * a.n_kv, device=self.norms.device)
         self._ptrs = tuple(p.data_ptr() for p in self._params())
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x [N, d]``, ``cos, sin [N, head_dim]`` -> q ``[N, H, D]``, k and v ``[N, Hkv, D]``."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linears: Linears | None = None):
+        """``x [N, d]``, ``cos, sin [N, head_dim]`` -> q ``[N, H, D]``, k and v ``[N, Hkv, D]``.
+        ``linears`` picks the GEMM kernel for a low-precision model (see :mod:`compactrl.engine.linear`)."""
         a = self.attn
         if not self.fusable:
             q, k, v = a.project(x[None], cos[None], sin[None])
@@ -71,7 +73,11 @@ class FusedProjection:
         if tuple(p.data_ptr() for p in self._params()) != self._ptrs:
             self._repack()
         H, Hkv, D = a.n_heads, a.n_kv, a.head_dim
-        qkv = F.linear(x, self.weight, self.bias).view(-1, H + 2 * Hkv, D)
+        if linears is None:
+            qkv = F.linear(x, self.weight, self.bias)
+        else:
+            qkv = linears.packed(x, self.weight, self.bias)
+        qkv = qkv.view(-1, H + 2 * Hkv, D)
         qk = qkv[:, : H + Hkv]
         if a.qk_norm:
             w = self.norms[self.head_norm]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache
+from compactrl.engine.linear import Linears
 from compactrl.masks import chunked_mask
 from compactrl.models.attention import attend
 from compactrl.models.decoder import CausalLM
@@ -83,10 +84,16 @@ def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tenso
 
 @torch.inference_mode()
 def forward_step(
-    model: CausalLM, kv: KVCache, feeds: list[Feed], projections: list[FusedProjection]
+    model: CausalLM,
+    kv: KVCache,
+    feeds: list[Feed],
+    projections: list[FusedProjection],
+    linears: Linears | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Write every fed token's K/V into its row and return float32 logits for feeds that ask."""
+    """Write every fed token's K/V into its row and return float32 logits for feeds that ask.
+    ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`)."""
     device = kv.device
+    lin = linears or Linears(model, "native")
     # single decode tokens (no shared prefix) go first, ordered by row: their attention is one
     # batched call over a block of rows, and their queries a plain slice of the step's tokens
     dec = sorted((f for f in feeds if f.n == 1 and not f.chain), key=lambda f: f.row)
@@ -131,7 +138,7 @@ def forward_step(
     x = model.model.embed_tokens(tokens)
     cos, sin = model.rope(positions[None], x.dtype)
     for li, layer in enumerate(model.model.layers):
-        q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0])  # [N, heads, D]
+        q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0], lin)  # [N, heads, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
         K, V = kv.k[li], kv.v[li]
         if B:
@@ -163,23 +170,32 @@ def forward_step(
             o = offsets[id(f)]
             heads = q[o : o + f.n].transpose(0, 1)[None]
             out[o : o + f.n] = _session_attention(heads, kv, li, f)[0].transpose(0, 1)
-        x = x + layer.self_attn.o_proj(out.view(N, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + lin.linear(layer.self_attn.o_proj, out.view(N, -1))
+        x = x + lin.mlp(layer.mlp, layer.post_attention_layernorm(x))
     want = [i for i, f in enumerate(feeds) if f.logits]
     if not want:
         return {}
     last = torch.tensor([offsets[id(feeds[i])] + feeds[i].n - 1 for i in want], device=device)
-    logits = model.lm_head(model.model.norm(x[last])).float()
+    logits = lin.logits(model, model.model.norm(x[last]))
     return {i: logits[k] for k, i in enumerate(want)}
 
 
 @torch.no_grad()
-def prefill_stream(model: CausalLM, tokens: list[int], evict_at: torch.Tensor, chunk: int = 256):
+def prefill_stream(
+    model: CausalLM,
+    tokens: list[int],
+    evict_at: torch.Tensor,
+    chunk: int = 256,
+    linears: Linears | None = None,
+    projections: list[FusedProjection] | None = None,
+):
     """Recompute a whole stream's K/V under its eviction mask (exact, by the stream invariant).
 
     Used to resume a preempted session: returns per-layer ``k, v [Hkv, T, D]`` of every token
-    and the logits after the last one.
+    and the float32 logits after the last one. ``linears`` (and the engine's ``projections``)
+    run the linear layers as the engine's steps do.
     """
+    lin = linears or Linears(model, "native")
     device = next(model.parameters()).device
     T = len(tokens)
     ids = torch.tensor(tokens, device=device)[None]
@@ -187,12 +203,16 @@ def prefill_stream(model: CausalLM, tokens: list[int], evict_at: torch.Tensor, c
     x = model.model.embed_tokens(ids)
     cos, sin = model.rope(torch.arange(T, device=device)[None], x.dtype)
     ks, vs = [], []
-    for layer in model.model.layers:
+    for li, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        if lin.upcast and projections:  # the step's fused projection, float32 GEMM
+            h = layer.input_layernorm(x)[0]
+            q, k, v = (t.transpose(0, 1)[None] for t in projections[li](h, cos[0], sin[0], lin))
+        else:
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         ks.append(k[0])
         vs.append(v[0])
         a = attend(q, k, v, mask)
-        x = x + attn.o_proj(a.transpose(1, 2).reshape(1, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return ks, vs, model.lm_head(model.model.norm(x[0, -1])).float()
+        x = x + lin.linear(attn.o_proj, a.transpose(1, 2).reshape(1, T, -1))
+        x = x + lin.mlp(layer.mlp, layer.post_attention_layernorm(x))
+    return ks, vs, lin.logits(model, model.model.norm(x[0, -1]))

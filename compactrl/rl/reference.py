@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from compactrl.models.attention import attend
-from compactrl.models.decoder import CausalLM
+from compactrl.models.decoder import CausalLM, _logits
 from compactrl.trace import Trace
 
 
@@ -40,7 +40,7 @@ def incremental_logprobs(lm: CausalLM, trace: Trace) -> torch.Tensor:
             x = x + attn.o_proj(a.transpose(1, 2).reshape(1, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i + 1 < T:
-            logits = lm.lm_head(lm.model.norm(x))[0, 0].double()
+            logits = _logits(lm, lm.model.norm(x))[0, 0].double()  # the trainer's head (float32 for bf16)
             out[i + 1] = torch.log_softmax(logits, -1)[tokens[i + 1]].cpu()
     return out
 

@@ -1,0 +1,128 @@
+"""The linear layers of an engine step, and float32 logits for a low-precision model.
+
+A bfloat16 (or float16) GEMM multiplies its inputs exactly, accumulates in float32 and rounds the
+output once. CUDA and x86 CPUs with AVX512 (oneDNN's bfloat16 path; AMX where present) do that in
+hardware. An AVX2-only CPU (AMD Zen 3, older Xeons) has no such path: there torch's bfloat16
+GEMM is *slower* than float32 from a few rows up (on SmolLM2-135M's shapes, one core of an AMD
+EPYC: 1.6x at 8 rows, 5x at 32, 7x at 128). :class:`Linears` then runs the same math as a
+float32 GEMM: it converts the weight to float32 a block of rows at a time into one reused buffer
+(a low-precision value and the product of two are exact in float32) and rounds the output to
+the model dtype. That reads the weights at half float32's bytes and computes at float32 speed,
+so it beats the native kernel everywhere past one row and a float32 model up to ~32 rows
+(memory-bound decode; equal beyond, where the GEMM dominates), needs no second copy of the
+weights, and always reads the live parameters (in-place updates need no bookkeeping). A step
+feeding a single token keeps the native kernel, faster for one row (a matrix-vector product).
+Outputs are rounded where the native kernel rounds them (each projection; SiLU and the gate
+product in the model dtype), so K/V and activations are what the model dtype gives, up to
+float32 summation order.
+
+Logits are float32 and, for a low-precision model, computed by a float32 head from the final
+bfloat16 hidden state, as the trainer's :func:`~compactrl.models.decoder.token_logprobs` does:
+bfloat16 logits carry ~3 significant digits (steps of 0.125 at a logit of 20), which would
+perturb every sampled token's probability by several percent and, unless the trainer rounded
+identically, show up as engine/trainer mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MatmulMode = Literal["auto", "native", "float32"]
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def has_native_low_precision_matmul(device: torch.device | str) -> bool:
+    """Whether bfloat16 GEMMs run at least at float32 speed on ``device``: CUDA, or a CPU with
+    oneDNN's bfloat16 support (AVX512, AVX512-BF16, AMX)."""
+    if torch.device(device).type != "cpu":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
+
+
+class Linears:
+    """How an engine step runs linear layers (module docstring).
+
+    ``mode``: ``native`` (the modules' own kernels), ``float32`` (float32 GEMMs on weights converted
+    block by block), ``auto`` (``float32`` for steps of 2+ tokens on a CPU without native bfloat16
+    GEMMs, else ``native``). Float32 and float64 models always run natively, op for op as before;
+    the head of a low-precision model always runs in float32.
+    """
+
+    def __init__(self, model: nn.Module, mode: MatmulMode = "auto"):
+        if mode not in ("auto", "native", "float32"):
+            raise ValueError(f"matmul mode {mode!r} is not one of auto, native, float32")
+        p = next(model.parameters())
+        self.low_precision = p.dtype in LOW_PRECISION
+        native = has_native_low_precision_matmul(p.device)
+        self.upcast = self.low_precision and (mode == "float32" or (mode == "auto" and not native))
+        self.min_rows = 2 if mode == "auto" else 1  # auto: one row (a GEMV) stays native
+        # float32 elements converted per block: ~4 MB stays in a CPU's cache; GPUs take big blocks
+        self.block = 1 << 20 if p.device.type == "cpu" else 1 << 26
+        self._buf: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        """What runs the GEMMs, for reports."""
+        if not self.low_precision:
+            return "native"
+        return ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
+
+    # ---- float32 GEMM of low-precision weights --------------------------------------------------
+    def _buffer(self, n: int, device) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < n or self._buf.device != device:
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+                self._buf = torch.empty(n, dtype=torch.float32, device=device)
+        return self._buf[:n]
+
+    @torch.no_grad()
+    def mm32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` in float32 (``x [..., in]`` any dtype), the weight converted a block
+        of rows at a time."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1]).float()
+        n_out, n_in = weight.shape
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32, device=x.device)
+        rows = max(1, min(n_out, self.block // n_in))
+        for s in range(0, n_out, rows):
+            w = weight[s : s + rows]
+            w32 = self._buffer(w.numel(), w.device).view(w.shape).copy_(w)
+            torch.mm(x, w32.t(), out=out[:, s : s + rows])
+        if bias is not None:
+            out += bias
+        return out.view(*lead, n_out)
+
+    def _wants(self, m: nn.Module, x: torch.Tensor) -> bool:
+        return self.upcast and type(m) is nn.Linear and x.numel() >= self.min_rows * x.shape[-1]
+
+    # ---- layers -------------------------------------------------------------------------------
+    def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self._wants(m, x):
+            return m(x)
+        return self.mm32(x, m.weight, m.bias).to(x.dtype)
+
+    def packed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x [N, in], weight, bias)`` for a packed weight (the fused q/k/v)."""
+        if not (self.upcast and x.shape[0] >= self.min_rows):
+            return F.linear(x, weight, bias)
+        return self.mm32(x, weight, bias).to(x.dtype)
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU, each projection through :meth:`linear`."""
+        if not self._wants(mlp.down_proj, x):
+            return mlp(x)
+        return self.linear(mlp.down_proj, F.silu(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+
+    def logits(self, lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[..., vocab]`` of final-norm ``hidden [..., d]``; a low-precision model's head
+        runs in float32 (as :func:`~compactrl.models.decoder.token_logprobs`)."""
+        head = lm.lm_head
+        if not (self.low_precision and type(head) is nn.Linear):
+            return head(hidden).float()
+        return self.mm32(hidden, head.weight, head.bias)
