@@ -100,8 +100,6 @@ class Engine:
         free any; a generation reaching it ends with finish reason ``"position_limit"``."""
         return self.model.config.max_position_embeddings
 
-    max_positions = position_limit
-
     @property
     def eos_token_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids if self.tokenizer else list(self.model.config.eos_token_id)
