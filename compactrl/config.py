@@ -5,7 +5,9 @@ falls back to a default)."""
 
 from __future__ import annotations
 
+import sys
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +55,40 @@ def _default_names(model: type[pydantic.BaseModel], data: dict) -> dict:
     return data
 
 
+def _variants(annotation: Any) -> dict[str, type[pydantic.BaseModel]]:
+    """``name -> model`` of a field that is a union of variants picked by ``name`` (env, strategy)."""
+    annotated = typing.get_origin(annotation) is typing.Annotated
+    union = typing.get_args(annotation)[0] if annotated else annotation
+    return {
+        m.model_fields["name"].default: m
+        for m in typing.get_args(union)
+        if isinstance(m, type) and issubclass(m, pydantic.BaseModel) and "name" in m.model_fields
+    }
+
+
+def _switch_variants(model: type[pydantic.BaseModel], data: dict, overrides: list[str]) -> list[str]:
+    """``--set strategy.name=X`` on a config that set another strategy's fields: drop the fields X
+    does not have (they belonged to the old variant) and say which. Returns the notes."""
+    notes = []
+    for item in overrides:
+        key, _, _ = item.partition("=")
+        section, _, leaf = key.strip().partition(".")
+        if leaf != "name" or section not in model.model_fields or not isinstance(data.get(section), dict):
+            continue
+        new = _variants(model.model_fields[section].annotation).get(data[section]["name"])
+        if new is None:
+            continue
+        given = {k.strip().partition(".")[2] for k, _, _ in (o.partition("=") for o in overrides)
+                 if k.strip().startswith(f"{section}.")}  # fmt: skip
+        dropped = sorted(k for k in data[section] if k not in new.model_fields and k not in given)
+        for k in dropped:
+            del data[section][k]
+        if dropped:
+            notes.append(f"{section}.name={data[section]['name']}: dropped {section} field(s) {dropped} "
+                         "of the variant the config had")  # fmt: skip
+    return notes
+
+
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] = ()) -> M:
     data: dict = {}
     if path is not None:
@@ -64,6 +100,8 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] = 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p} is not valid TOML: {e}") from e
     data = _default_names(model, apply_overrides(data, list(overrides)))
+    for note in _switch_variants(model, data, list(overrides)):
+        print(f"note: {note}", file=sys.stderr)
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:

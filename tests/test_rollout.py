@@ -271,3 +271,17 @@ def test_a_stream_that_reaches_the_position_limit_ends_truncated_with_its_trace(
     with torch.no_grad():  # the trace is whole and valid
         logp = stream_logprobs(engine.model, [t])[0].numpy()
     assert np.allclose(logp[t.trainable], t.logprobs[t.trainable], atol=5e-5)
+
+
+def test_set_name_switches_a_variant_and_drops_the_old_variants_fields(tmp_path, capsys):
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text('[strategy]\nname = "sliding_window"\nmax_turns = 3\nstride = 2\n')
+    cfg = load_config(RolloutConfig, cfg_file, ["strategy.name=summary", "strategy.tail=1"])
+    assert cfg.strategy.name == "summary" and cfg.strategy.tail == 1
+    assert "dropped strategy field(s) ['max_turns', 'stride']" in capsys.readouterr().err
+    # max_turns is a markovian field too: kept; stride is not, and an explicit one is still refused
+    assert load_config(RolloutConfig, cfg_file, ["strategy.name=markovian"]).strategy.max_turns == 3
+    with pytest.raises(ConfigError, match="stride"):
+        load_config(RolloutConfig, cfg_file, ["strategy.name=markovian", "strategy.stride=2"])
+    with pytest.raises(ConfigError, match="sliding_window.tail"):  # negative control: no switch,
+        load_config(RolloutConfig, cfg_file, ["strategy.tail=1"])  # nothing dropped or allowed
