@@ -258,17 +258,8 @@ def import_gguf_cmd(
         fail("usage: compactrl import-gguf FILE OUT_DIR, or compactrl import-gguf --smollm2 OUT_DIR")
     if dtype not in ("float32", "bfloat16"):
         fail(f"--dtype {dtype!r} is not one of ['float32', 'bfloat16']")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        fail(f"{out_dir} is not empty; pass --force to replace it")
-    if smollm2:
-        try:
-            source = smollm2_path()
-        except FileNotFoundError as e:
-            fail(str(e))
-    if not source.is_file():
-        fail(f"{source} is not a file; give the path of a .gguf file")
-    try:
-        result = import_gguf(source, out_dir, dtype=dtype, force=force)
+    try:  # import_gguf checks OUT_DIR and the file before any heavy work
+        result = import_gguf(smollm2_path() if smollm2 else source, out_dir, dtype=dtype, force=force)
     except (GGUFImportError, ValueError, OSError, RuntimeError) as e:
         fail(str(e))
     if as_json:

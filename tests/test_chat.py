@@ -217,12 +217,9 @@ def test_template_kwargs_reach_the_template(backends):
 
 
 def test_stop_ids_come_from_the_templates_close(backends):
-    assert chat_format(backends, "smollm2").tokenizer.decode(
-        [chat_format(backends, "smollm2").stop_ids[0]]
-    ) == ("<|im_end|>")
-    assert chat_format(backends, "llama31").tokenizer.decode(
-        [chat_format(backends, "llama31").stop_ids[0]]
-    ) == ("<|eot_id|>")
+    for name, stop in (("smollm2", "<|im_end|>"), ("llama31", "<|eot_id|>")):
+        fmt = chat_format(backends, name)
+        assert fmt.tokenizer.decode([fmt.stop_ids[0]]) == stop
 
 
 def test_templates_that_cannot_stream_are_refused(backends):

@@ -52,6 +52,14 @@ def _diff(before: str, after: str, what: str) -> str:
     )
 
 
+def _close_of(prompt: str, with_marked_answer: str) -> str:
+    """The text after the content, given the renderings before and with a marked assistant answer."""
+    body = _diff(prompt, with_marked_answer, "an assistant message follows its generation prompt")
+    if body.count(_MARK) != 1:
+        raise ChatTemplateError("the chat template does not render assistant content verbatim once")
+    return body.split(_MARK)[1]
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """A model's chat template, used incrementally. One :class:`Conversation` per stream."""
@@ -85,12 +93,8 @@ class ChatFormat:
 
     def _close_text(self, context: list[dict[str, str]]) -> str:
         """What the template writes after an assistant message's content."""
-        prompt = self.render(context, add_generation_prompt=True)
-        body = _diff(prompt, self.render([*context, {"role": "assistant", "content": _MARK}]),
-                     "an assistant message follows its generation prompt")  # fmt: skip
-        if body.count(_MARK) != 1:
-            raise ChatTemplateError("the chat template does not render assistant content verbatim once")
-        return body.split(_MARK)[1]
+        return _close_of(self.render(context, add_generation_prompt=True),
+                         self.render([*context, {"role": "assistant", "content": _MARK}]))  # fmt: skip
 
     @cached_property
     def stop_ids(self) -> tuple[int, ...]:
@@ -113,37 +117,53 @@ class ChatFormat:
 
 
 class Conversation:
-    """One stream's messages; each call returns the tokens to append and records the message."""
+    """One stream's messages; each call returns the tokens to append and records the message.
+
+    Renderings of the current context are memoised: each message is rendered against the same
+    context several times (its preview, its diff, the generation prompt, the close), and the
+    rendering with a recorded message is the next context's base, so a turn costs a few renders."""
 
     def __init__(self, fmt: ChatFormat):
         self.fmt = fmt
         self.messages: list[dict[str, str]] = []
+        self._memo: dict[tuple, str] = {}
 
     def _context(self) -> list[dict[str, str]]:
         return self.messages if self.fmt.rewrites == "error" else self.messages[:1]
 
+    def _render(self, *extra: dict[str, str], gen: bool = False) -> str:
+        """The template's rendering of the context plus ``extra`` messages (memoised)."""
+        key = (tuple((m["role"], m["content"]) for m in extra), gen)
+        if key not in self._memo:
+            self._memo[key] = self.fmt.render([*self._context(), *extra], gen)
+        return self._memo[key]
+
+    def _record(self, m: dict[str, str]) -> None:
+        grows = self.fmt.rewrites == "error" or not self.messages  # keep: the context is message 0
+        base = self._render(m) if grows else self._render()
+        self.messages.append(m)
+        self._memo = {((), False): base}  # the new context's rendering; the rest is stale
+
     def message(self, role: str, text: str, record: bool = True) -> list[int]:
         """Tokens of a whole message (system, user, tool, or a scripted assistant one); with
         ``record=False`` only what they would be, the conversation unchanged."""
-        ctx, m = self._context(), {"role": role, "content": text}
-        added = _diff(self.fmt.render(ctx), self.fmt.render([*ctx, m]),
-                      f"message {len(self.messages)} ({role}) is added")  # fmt: skip
+        m = {"role": role, "content": text}
+        added = _diff(self._render(), self._render(m), f"message {len(self.messages)} ({role}) is added")
         if record:
-            self.messages.append(m)
+            self._record(m)
         return self.fmt.tokenizer.encode(added)
 
     def prompt(self) -> list[int]:
         """The generation prompt (the assistant header) that precedes a generated message."""
-        ctx = self._context()
-        added = _diff(self.fmt.render(ctx), self.fmt.render(ctx, add_generation_prompt=True),
-                      "the generation prompt is added")  # fmt: skip
+        added = _diff(self._render(), self._render(gen=True), "the generation prompt is added")
         return self.fmt.tokenizer.encode(added)
 
     def close(self, generated: list[int]) -> list[int]:
         """Tokens that close a generated message as the template closes it (the rest of the close
         after a sampled stop token, else the whole close); records the assistant message."""
-        close = self.fmt.tokenizer.encode(self.fmt._close_text(self._context()))
-        self.messages.append({"role": "assistant", "content": self.fmt.text(generated)})
+        marked = self._render({"role": "assistant", "content": _MARK})
+        close = self.fmt.tokenizer.encode(_close_of(self._render(gen=True), marked))
+        self._record({"role": "assistant", "content": self.fmt.text(generated)})
         if generated and generated[-1] == close[0]:
             return close[1:]
         return close
