@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compactrl.models import UnsupportedModelError, load_model, save_model
+from compactrl.models import UnsupportedModelError, decoder, load_model, save_model
 from compactrl.models.decoder import token_logprobs
 from compactrl.models.tiny import init_random, tiny_config
 from compactrl.verify import compare_with_transformers, verify_model
@@ -43,6 +43,57 @@ def test_verify_command_builds_all_three_families():
     pytest.importorskip("transformers")
     out = verify_model()
     assert set(out["families"]) == {"llama", "qwen2", "qwen3"} and out["ok"]
+
+
+# ---- negative controls: `verify model` must catch a decoder with one deliberate error ------------
+_project = decoder.Attention.project
+
+
+def _keys_one_position_late(self, x, cos, sin):
+    """Keys rotated with the previous position's angle (key 0 keeps its own), queries right: the
+    off-by-one of a KV cache that stores keys at ``len - 1``. (Shifting *every* position by one
+    is no error at all: RoPE scores depend on q - k only, and `verify model` rightly passes it.)"""
+    q, _, v = _project(self, x, cos, sin)
+    late = [torch.cat([c[:, :1], c[:, :-1]], dim=1) for c in (cos, sin)]
+    _, k, _ = _project(self, x, *late)
+    return q, k, v
+
+
+def _without_qk_norm(self, x, cos, sin):
+    """Qwen3's per-head RMSNorm on q and k skipped (a no-op for Llama and Qwen2, which have none)."""
+    saved, self.qk_norm = self.qk_norm, False
+    try:
+        return _project(self, x, cos, sin)
+    finally:
+        self.qk_norm = saved
+
+
+@pytest.mark.parametrize(
+    "fault, broken",
+    [(_keys_one_position_late, {"llama", "qwen2", "qwen3"}), (_without_qk_norm, {"qwen3"})],
+    ids=["rope_off_by_one", "qk_norm_skipped"],
+)
+def test_verify_model_fails_a_decoder_with_one_deliberate_error(tmp_path, monkeypatch, fault, broken):
+    """The positive test above could pass on a comparison that cannot see errors; here the same
+    check, on the same tiny families, must fail exactly the families the fault touches (by logits
+    of the order of 1, against a 1e-4 tolerance), and pass again once the patch is undone. This
+    test breaks if `verify model` stops comparing logits (e.g. compares ours with ours), drops
+    the position ids it hands transformers, or its tolerance grows to the size of the error."""
+    pytest.importorskip("transformers")
+    folders = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        write(folders.setdefault(family, tmp_path / family), family)
+    with monkeypatch.context() as m:
+        m.setattr(decoder.Attention, "project", fault)
+        results = {f: verify_model(d) for f, d in folders.items()}
+    for family, r in results.items():
+        diff = r["max_abs_logit_diff"]  # the worse of the causal and the eviction-mask comparison
+        if family in broken:
+            assert not r["ok"] and diff > 0.5, (family, diff)
+        else:
+            assert r["ok"] and diff < 1e-4, (family, diff)
+    for family, d in folders.items():  # unpatched: the same folders pass
+        assert verify_model(d)["ok"], family
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
