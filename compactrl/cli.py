@@ -674,10 +674,16 @@ def bench_engine(
         )  # fmt: skip
     out.print(table)
     for e in result["eviction"]:
-        out.print(
+        line = (
             f"evicting {e['evicted_per_call']} of {e['context']} tokens: {e['evict_s'] * 1e6:.0f} us "
             f"= {e['evict_over_decode_step']:.3f} of one decode step"
         )
+        if e["evict_compact_s"] is not None:
+            line += (
+                f"; with the row compaction it triggers ({e['compacted_live_entries']} live entries "
+                f"moved): {e['evict_compact_s'] * 1e6:.0f} us = {e['evict_compact_over_decode_step']:.3f}"
+            )
+        out.print(line)
 
 
 @bench_app.command("modes")

@@ -104,33 +104,59 @@ def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, fl
     return out
 
 
-def eviction_cost(model, context: int, repeats: int = 20) -> dict:
-    """Time to evict a quarter of a session's context in place vs one decode step of it."""
+def evict_span(eng: Engine, s, start: int, span: int) -> tuple[float, bool]:
+    """Evict stream tokens ``[start, start + span)`` and do what the engine's next step does before
+    it feeds anything: clear their valid bits and, once the row's holes pass the compaction
+    threshold (``EngineConfig.compact_holes``), compact the row (``Engine._claim``, here claiming no
+    entries). Returns (seconds, whether the row was compacted)."""
+    device = eng.kv.device
+    t0 = _clock(device)
+    s.evict([(start, start + span)])
+    eng._apply_drops(s)
+    eng._claim(s, 0)
+    return _clock(device) - t0, eng.kv.dead[s.row] == 0
+
+
+def eviction_cost(model, context: int, sessions: int = 3) -> dict:
+    """Time to evict in place vs one decode step, without and with the row compaction.
+
+    Evicting only clears valid bits; the copy that moves the live entries over the holes is lazy,
+    done when a row's holes pass a share of it. Each of ``sessions`` fresh sessions of ``context``
+    tokens evicts spans of 1/80 of it (one decode step after each) until an eviction triggers the
+    compaction: the evictions before it give ``evict_s``, the one that compacts ``evict_compact_s``
+    (None when the context is too short to reach the threshold)."""
     device = next(model.parameters()).device
-    eng = Engine(model, None, EngineConfig(kv_pool_tokens=2 * context + 64))
-    s = eng.session()
-    s.append(_prompts(1, context, model.config.vocab_size, 0)[0])
-    eng.run()
-    evict_s, step_s = [], []
-    span = max(1, context // (4 * repeats))
-    repeats = min(repeats, max(1, context // (4 * span)))  # a short context: fewer, one-token spans
-    for r in range(repeats):
-        a = 1 + r * span
-        t0 = _clock(device)
-        s.evict([(a, a + span)])
-        eng._apply_drops(s)  # what the next step does first: clear the valid bits
-        evict_s.append(_clock(device) - t0)
-        s.generate(SamplingParams(max_tokens=1, seed=r, ignore_eos=True))
-        t0 = _clock(device)
-        eng.step()  # one decode step: sample a token, feed it
-        step_s.append(_clock(device) - t0)
-    ev, st = float(np.median(evict_s)), float(np.median(step_s))
+    eng = Engine(model, None, EngineConfig(kv_pool_tokens=2 * context + 256))
+    span = max(1, context // 80)
+    plain, compacting, step_s, moved = [], [], [], []
+    for _ in range(sessions):
+        s = eng.session()
+        s.append(_prompts(1, context, model.config.vocab_size, 0)[0])
+        eng.run()
+        for r, a in enumerate(range(1, context - span + 1, span)):
+            t, compacted = evict_span(eng, s, a, span)
+            if compacted:
+                compacting.append(t)
+                moved.append(eng.kv.used[s.row])
+                break
+            plain.append(t)
+            s.generate(SamplingParams(max_tokens=1, seed=r, ignore_eos=True))
+            t0 = _clock(device)
+            eng.step()  # one decode step: sample a token, feed it
+            step_s.append(_clock(device) - t0)
+        s.close()
+    ev, st = float(np.median(plain)), float(np.median(step_s))
+    evc = float(np.median(compacting)) if compacting else None
     return {
         "context": context,
         "evicted_per_call": span,
         "evict_s": ev,
         "decode_step_s": st,
         "evict_over_decode_step": ev / st,
+        "compactions": len(compacting),
+        "compacted_live_entries": int(np.median(moved)) if moved else None,
+        "evict_compact_s": evc,
+        "evict_compact_over_decode_step": None if evc is None else evc / st,
     }
 
 
