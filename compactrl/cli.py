@@ -21,6 +21,10 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured 
 app.add_typer(trace_app, name="trace")
 app.add_typer(verify_app, name="verify")
 app.add_typer(bench_app, name="bench")
+config_app = typer.Typer(
+    no_args_is_help=True, help="Run configs: one resolved with every default, the field reference."
+)
+app.add_typer(config_app, name="config")
 
 out = Console()
 err = Console(stderr=True)
@@ -765,6 +769,54 @@ def bench_modes(
         f"{c['concurrency_ratio']}{bound}"
     )
     out.print("plots: " + ", ".join(result.get("plots", [])))
+
+
+@config_app.command("show")
+def config_show_cmd(
+    config: Annotated[
+        Path | None, typer.Argument(help="TOML config (default: built-in defaults; needs --kind).")
+    ] = None,
+    overrides: SetOption = None,
+    kind: Annotated[
+        str | None, typer.Option(help="train | rollout (default: told from the file's fields).")
+    ] = None,
+) -> None:
+    """Print a config as train / eval / rollout resolve it (with --set), every default filled in, as TOML."""
+    from compactrl.config import ConfigError
+    from compactrl.config_reference import show
+
+    try:
+        text = show(config, overrides or [], kind)
+    except ConfigError as e:
+        fail(str(e))
+    print(text, end="")
+
+
+@config_app.command("reference")
+def config_reference_cmd(
+    output: Annotated[
+        Path | None, typer.Option("--out", help="Write the Markdown here (docs/config.md).")
+    ] = None,
+    check: Annotated[bool, typer.Option(help="Only check that --out is up to date (exit 1 if not).")] = False,
+) -> None:
+    """The reference of every config field (path, type, default, description) as Markdown."""
+    from compactrl.config_reference import REGENERATE, reference
+
+    text = reference()
+    if output is None:
+        if check:
+            fail("--check needs --out FILE")
+        print(text, end="")
+    elif check:
+        if not output.is_file() or output.read_text(encoding="utf-8") != text:
+            fail(f"{output} is out of date; regenerate it: {REGENERATE}", code=1)
+        out.print(f"{output} is up to date")
+    else:
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as e:
+            fail(f"cannot write {output}: {e.strerror or e}")
+        out.print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -35,11 +35,19 @@ class ModelSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str | None = None
-    family: Literal["llama", "qwen2", "qwen3"] = "qwen3"
-    size: Literal["tiny", "small", "base"] = "tiny"
-    seed: int = 0
-    dtype: Literal[tuple(DTYPES)] = "float32"  # type: ignore[valid-type]
+    path: str | None = Field(
+        None,
+        description="Hugging Face model folder (config.json, safetensors, tokenizer); unset: a tiny random "
+        "model generated into the run directory",
+    )
+    family: Literal["llama", "qwen2", "qwen3"] = Field("qwen3", description="generated model's architecture")
+    size: Literal["tiny", "small", "base"] = Field(
+        "tiny", description="generated model, hidden size x layers: tiny 64 x 2, small 256 x 4, base 512 x 8"
+    )
+    seed: int = Field(0, description="weight initialisation seed of the generated model")
+    dtype: Literal[tuple(DTYPES)] = Field(  # type: ignore[valid-type]
+        "float32", description="dtype the weights are loaded in (the engine and the trainer share them)"
+    )
 
     def folder(self, run_dir: str | Path) -> Path:
         """Where the model and its tokenizer live: ``path``, or the run's generated model."""
@@ -64,9 +72,13 @@ class RolloutConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     env: EnvConfig = RoomsConfig()
     strategy: StrategyConfig = SlidingWindow()
-    mode: Literal["full", "reprefill", "stream"] = "stream"
+    mode: Literal["full", "reprefill", "stream"] = Field(
+        "stream",
+        description="full: no compaction; stream: compaction evicts KV in place, one trace per "
+        "episode; reprefill: the kept context is prefilled again, one trace per segment",
+    )
     rollout: RolloutSettings = RolloutSettings()
-    episodes: int = Field(8, ge=1)
+    episodes: int = Field(8, ge=1, description="episodes to run (episode i on env seed seed + i)")
     concurrency: int = Field(8, ge=1, description="episodes in flight at once")
     seed: int = Field(0, description="episode i uses seed + i")
     threads: int = Field(1, ge=1, description="torch intra-op threads")

@@ -42,9 +42,9 @@ class RolloutSettings(BaseModel):
 
     max_tokens: int = Field(64, ge=1, description="tokens per action unless the env asks for a number")
     max_turns: int = Field(64, ge=1, description="actions per episode before it is truncated")
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: top tokens of this mass (1: off)")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0: off)")
     ignore_eos: bool = Field(False, description="generate exactly max_tokens (fixed-length benchmarks)")
     system: str | None = Field(None, description="system prompt; overrides the env's (default: the env's)")
     chat_rewrites: Literal["error", "keep"] = Field(

@@ -41,8 +41,8 @@ class SlidingWindow(_Config):
     the Markovian thinker)."""
 
     name: Literal["sliding_window"] = "sliding_window"
-    max_turns: int = Field(10, ge=1)
-    stride: int = Field(1, ge=1)
+    max_turns: int = Field(10, ge=1, description="compact when this many steps are live")
+    stride: int = Field(1, ge=1, description="the oldest steps deleted per compaction")
 
     @model_validator(mode="after")
     def _stride(self):
@@ -53,11 +53,15 @@ class SlidingWindow(_Config):
 
 class Markovian(_Config):
     name: Literal["markovian"] = "markovian"
-    max_turns: int = Field(10, ge=2)
+    max_turns: int = Field(10, ge=2, description="at this many live steps, delete the oldest half")
 
 
 class _Triggered(_Config):
-    trigger: Literal["budget", "every", "request"] = "budget"
+    trigger: Literal["budget", "every", "request"] = Field(
+        "budget",
+        description="when to compact — budget: the live context is over `budget` tokens; every: every "
+        "`every` steps; request: the model writes `marker`",
+    )
     budget: int = Field(2048, gt=0, description="token budget of the live context (trigger 'budget')")
     every: int = Field(10, ge=1, description="steps between compactions (trigger 'every')")
     marker: str = Field("[compact]", min_length=1, description="text that asks for it (trigger 'request')")
@@ -81,15 +85,15 @@ class PickTurns(_Triggered):
     keep_budget: int | None = Field(
         None, gt=0, description="tokens the kept steps may use (default budget/2)"
     )
-    max_tokens: int = Field(32, ge=1)
+    max_tokens: int = Field(32, ge=1, description="length limit of the model's KEEP: answer")
 
 
 class EvictSteps(_Config):
     """Delete given steps once step ``at_step`` has acted (the recall task's eviction)."""
 
     name: Literal["evict_steps"] = "evict_steps"
-    at_step: int = Field(1, ge=0)
-    steps: list[int] = [0]
+    at_step: int = Field(1, ge=0, description="delete once this step has acted (0: the first step)")
+    steps: list[int] = Field([0], description="the steps deleted (0: the first)")
 
 
 StrategyConfig = Annotated[

@@ -36,8 +36,12 @@ def _no_system(why: str, suggested: str):
 class RecallConfig(_Config):
     name: Literal["recall"] = "recall"
     k: int = Field(64, ge=16, le=512, description="integer tokens decoded between assignment and question")
-    variant: Literal[VARIANTS] = "fruit"  # type: ignore[valid-type]
-    answer_tokens: int = Field(16, ge=1)
+    variant: Literal[VARIANTS] = Field(  # type: ignore[valid-type]
+        "fruit",
+        description="the candidates: fruit or actor (the question lists them), tv-zero-support (the "
+        "question names none, so the answer has no support in the context after the eviction)",
+    )
+    answer_tokens: int = Field(16, ge=1, description="max tokens of the answer to the question")
     prior_demos: float = Field(
         0.0,
         ge=0,
@@ -50,17 +54,17 @@ class RecallConfig(_Config):
 
 class CountConfig(_Config):
     name: Literal["count"] = "count"
-    turns: int = Field(6, ge=1)
-    action_tokens: int = Field(4, ge=1)
+    turns: int = Field(6, ge=1, description="turns per episode, one number each")
+    action_tokens: int = Field(4, ge=1, description="max tokens per answer")
     system: str | None = _no_system("the quickstart trains on these exact streams", count.SUGGESTED_SYSTEM)
 
 
 class RoomsConfig(_Config):
     name: Literal["rooms"] = "rooms"
-    n_rooms: int = Field(20, ge=1)
-    query_room: int = Field(1, ge=1)
+    n_rooms: int = Field(20, ge=1, description="rooms walked through, one per turn (the episode length)")
+    query_room: int = Field(1, ge=1, description="room whose code word the last door asks for (1: the first)")
     filler: int = Field(8, ge=0, description="description items per room (observation length)")
-    action_tokens: int = Field(8, ge=1)
+    action_tokens: int = Field(8, ge=1, description="max tokens per reply")
     system: str | None = _no_system(
         "bench modes and configs/train/rooms_window.toml run these exact streams", rooms.SUGGESTED_SYSTEM
     )
@@ -68,10 +72,17 @@ class RoomsConfig(_Config):
 
 class TextWorldConfig(_Config):
     name: Literal["textworld"] = "textworld"
-    challenge: Literal[CHALLENGES] = "coin_collector"  # type: ignore[valid-type]
-    settings: dict[str, Any] = {}
-    cache_dir: str = "~/.cache/compactrl/textworld"
-    list_commands: bool = True
+    challenge: Literal[CHALLENGES] = Field(  # type: ignore[valid-type]
+        "coin_collector", description="the TextWorld generator of the games; the episode seed picks the game"
+    )
+    settings: dict[str, Any] = Field(
+        {}, description="the generator's settings over its defaults, e.g. {level = 2} (see DEFAULT_SETTINGS)"
+    )
+    cache_dir: str = Field(
+        "~/.cache/compactrl/textworld",
+        description="where games are compiled and kept, one per (challenge, settings, seed)",
+    )
+    list_commands: bool = Field(True, description="each observation ends with the admissible commands")
     match_commands: bool = Field(
         False,
         description="a reply that is not an admissible command but names one as whole words "

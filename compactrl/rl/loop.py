@@ -52,10 +52,19 @@ class TrainConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     env: EnvConfig = CountConfig()
     strategy: StrategyConfig = SlidingWindow(max_turns=3)
-    mode: Literal["full", "reprefill", "stream"] = "stream"
+    mode: Literal["full", "reprefill", "stream"] = Field(
+        "stream",
+        description="full: no compaction; stream: compaction evicts KV in place, one trace per "
+        "episode; reprefill: the kept context is prefilled again, one trace per segment",
+    )
     rollout: RolloutSettings = RolloutSettings(max_tokens=4)
     train: TrainSettings = TrainSettings(lr=3e-3)
-    steps: int = Field(40, ge=1)
+    steps: int = Field(
+        40,
+        ge=1,
+        description="training steps in all, the sft_steps warm-up included; each samples prompts "
+        "x group_size rollouts and updates",
+    )
     prompts: int = Field(4, ge=1, description="env seeds per step")
     group_size: int = Field(4, ge=1, description="rollouts per env seed")
     objective: Literal["rl", "rft", "distill", "sft"] = Field(
@@ -65,8 +74,12 @@ class TrainConfig(BaseModel):
         "policy as the phase begins) to the policy under the evictions, on its own rollouts; sft: "
         "demonstrations under the evict_steps strategy's evictions",
     )
-    rft_min_reward: float = 1.0
-    advantage: Literal["group", "loo", "gae"] = "group"
+    rft_min_reward: float = Field(1.0, description="rft: rollouts scoring below this are not trained on")
+    advantage: Literal["group", "loo", "gae"] = Field(
+        "group",
+        description="rl's baseline — group: reward minus the mean of its env seed's group (GRPO); loo: "
+        "minus the mean of every other rollout of the batch; gae: a critic and GAE over the rollout (PPO)",
+    )
     gamma: float = Field(
         1.0,
         ge=0,
@@ -76,7 +89,9 @@ class TrainConfig(BaseModel):
     )
     lam: float = Field(0.95, ge=0, le=1, description="gae: lambda")
     gae_form: Literal["exact", "parallel"] = Field("exact", description="gae across re-prefill segments")
-    normalize_std: bool = True
+    normalize_std: bool = Field(
+        True, description="group: divide advantages by their group's reward std; gae: whiten over the batch"
+    )
     chance: float | None = Field(None, ge=0, le=1, description="loo: score all-equal batches against this")
     max_lag: int = Field(
         0,
@@ -91,11 +106,15 @@ class TrainConfig(BaseModel):
         description="optimizer steps per pass: the batch's rollouts split into this many minibatches, "
         "each clipped against the sampling log-probs",
     )
-    checkpoint_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=1, description="checkpoint every this many steps, and at the last")
     eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
-    seed: int = 0
-    threads: int = Field(1, ge=1)
-    out: str = "runs/train"
+    seed: int = Field(
+        0,
+        description="offset of every step's env seeds (a step's data depends only on it and the step); "
+        "also seeds what the run initialises (critic, LoRA adapters)",
+    )
+    threads: int = Field(1, ge=1, description="torch intra-op threads")
+    out: str = Field("runs/train", description="run directory (config, metrics, checkpoints)")
     sft_steps: int = Field(0, ge=0, description="the first steps are SFT on full-context demonstrations")
     sft_lr: float | None = Field(None, gt=0, description="learning rate of the SFT warm-up (None: train.lr)")
 

@@ -32,11 +32,15 @@ from compactrl.trace import Trace
 class TrainSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    loss: Literal["pg", "sft", "distill"] = "pg"
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
+    loss: Literal["pg", "sft", "distill"] = Field(
+        "pg",
+        description="a Trainer's default loss; `compactrl train` picks each step's from `objective` "
+        "(rl: pg, rft and sft: sft, distill: distill)",
+    )
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
     eps: float = Field(
         1e-8,
         gt=0,
@@ -45,10 +49,14 @@ class TrainSettings(BaseModel):
     )
     grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm (None: no clipping)")
     micro_batch_tokens: int = Field(8192, ge=1, description="tokens per forward/backward")
-    norm: Norm = "token"
+    norm: Norm = Field(
+        "token",
+        description="how per-token losses are reduced — token: over every trained token of the batch "
+        "(CompactionRL); sequence: per rollout, then over rollouts (GRPO); constant: sum / norm_constant",
+    )
     norm_constant: float | None = Field(None, gt=0, description="the constant of norm = 'constant'")
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="PPO clips the probability ratio below at 1 - clip_low")
+    clip_high: float = Field(0.2, ge=0, description="PPO clips the probability ratio above at 1 + clip_high")
     max_log_ratio: float | None = Field(None, gt=0, description="drop tokens whose |log ratio| exceeds it")
     kl_sampling: float = Field(0.0, ge=0, description="coefficient of the KL to the sampling policy")
     entropy_coef: float = Field(0.0, ge=0, description="pg: bonus on the policy's entropy at its tokens")
@@ -66,7 +74,11 @@ class TrainSettings(BaseModel):
     )
     value_coef: float = Field(0.5, ge=0, description="weight of the critic's loss (when there is one)")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values")
-    backend: Backend = "chunked"
+    backend: Backend = Field(
+        "chunked",
+        description="attention of the training forward — chunked (CPU), flex (CUDA: a flex-attention "
+        "block mask from evict_at) or dense (the T^2 reference)",
+    )
     precision: Literal["float32", "bfloat16"] = Field(
         "float32", description="bfloat16: autocast forward/backward (engine/trainer mismatch grows)"
     )
