@@ -4,6 +4,7 @@ row compaction. Behaviour only, no timings."""
 
 import numpy as np
 
+from compactrl.bench import trainer
 from compactrl.bench.engine import evict_span, eviction_cost
 from compactrl.engine import Engine, EngineConfig
 
@@ -30,3 +31,24 @@ def test_eviction_cost_measures_an_eviction_that_compacts_the_row(tiny_lm):
     assert 0 < e["compacted_live_entries"] < 160
     short = eviction_cost(tiny_lm, 16, sessions=1)  # too few tokens to pass the threshold: none
     assert short["compactions"] == 0 and short["evict_compact_s"] is None
+
+
+def test_trainer_bench_warms_every_arm_once_and_interleaves_them(tiny_lm, monkeypatch):
+    calls = []
+
+    def record(arm):
+        def fake(model, trace, *args):
+            calls.append(arm if arm == "reprefill" or len(trace) == 512 else "stream_2n")
+            return len(trace)
+
+        return fake
+
+    monkeypatch.setattr(trainer, "stream_step", record("stream"))
+    monkeypatch.setattr(trainer, "reprefill_step", record("reprefill"))
+    row = trainer.bench_strategy(
+        tiny_lm, "sliding_window", 512, budget=256, turn_len=32, repeats=3, chunk=64, max_batch_tokens=1024
+    )
+    assert calls == ["stream", "reprefill", "stream_2n"] * 4  # a warm-up round, then 3 timed rounds
+    assert {arm: len(ts) for arm, ts in row["runs_s"].items()} == dict.fromkeys(
+        ("stream", "reprefill", "stream_2n"), 3
+    )

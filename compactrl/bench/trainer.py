@@ -124,14 +124,14 @@ def bench_strategy(
     }
     times: dict[str, list[float]] = defaultdict(list)
     tokens: dict[str, int] = {}
-    timed(runs["stream"], model)  # warm-up (allocator, first-call overheads, flex compiles)
-    if backend == "flex":
-        timed(runs["stream_2n"], model)
-    advance()
-    for _ in range(repeats):  # interleaved, so machine drift hits all three alike
+    # Round 0 is one untimed run of every arm (allocator, first-call overheads, flex compiles: each
+    # arm has shapes of its own), so no timed run starts cold; then the arms take turns in every
+    # round (A B C, A B C, ...), so machine drift hits them alike.
+    for rnd in range(repeats + 1):
         for name, fn in runs.items():
             t, tokens[name] = timed(fn, model)
-            times[name].append(t)
+            if rnd:
+                times[name].append(t)
             advance()
     med = {k: statistics.median(v) for k, v in times.items()}
     # B is the live context at which compactions actually fire (<= the budget when turns don't tile it)
@@ -153,6 +153,7 @@ def bench_strategy(
         "time_ratio": med["reprefill"] / med["stream"],
         "stream_2n_s": med["stream_2n"],
         "scaling": med["stream_2n"] / med["stream"],
+        "runs_s": dict(times),  # every timed run per arm, in order: the spread behind the medians
     }
 
 
@@ -178,7 +179,7 @@ def run_trainer_bench(
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_dir or write_tiny_model(Path(tmp) / "model", family="qwen3", size=size)
         model = load_model(folder, dtype=dtype, device=device).train()
-    advance = progress(len(strategies) * (1 + 3 * repeats)) if progress else (lambda: None)
+    advance = progress(len(strategies) * 3 * (1 + repeats)) if progress else (lambda: None)
     rows = [
         bench_strategy(
             model,
@@ -206,5 +207,6 @@ def run_trainer_bench(
         "turn_len": turn_len,
         "attention_chunk": chunk,
         "repeats": repeats,
+        "warmup": "one untimed run of each arm, then the arms interleaved in each repeat",
         "strategies": rows,
     }
