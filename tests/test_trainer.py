@@ -2,15 +2,20 @@
 engine/trainer mismatch on real engine traces (with staleness as the negative control)."""
 
 import copy
+import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from compactrl.config import load_config
 from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.rl import loop
 from compactrl.rl.checkpoint import load_checkpoint, save_checkpoint
 from compactrl.rl.critic import ValueHead
 from compactrl.rl.forward import stream_logprobs
+from compactrl.rl.loop import TrainConfig, train
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings, token_weights
 from compactrl.trace import Trace
 
@@ -356,3 +361,80 @@ def test_a_trained_critic_round_trips_a_checkpoint_bit_for_bit(tmp_path, tiny_lm
     m, h, t = fresh()
     load_checkpoint(path, m, t.optimizer)  # the policy only: the head stays at zero
     assert all(torch.all(v == 0) for v in critic_values(m, h, traces))
+
+
+# ---- the loop: a PPO run (advantage = "gae") resumed mid-way equals the uninterrupted run --------
+# One SFT step (so the tiny model answers with digits and rewards are not all 0: with 0 rewards the
+# critic never moves and any resume looks right), then RL steps 2-4 with the critic; checkpoints at 2, 4.
+GAE_RUN = ["prompts=2", "group_size=4", "checkpoint_every=2", "advantage=gae", "sft_steps=1", "sft_lr=1e-2"]
+
+
+def gae_config(out, steps=4):
+    return load_config(TrainConfig, "configs/quickstart.toml", [f"out={out}", f"steps={steps}", *GAE_RUN])
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gae_run(tmp_path_factory):
+    rows = []
+    train(gae_config(tmp_path_factory.mktemp("gae") / "run"), on_step=rows.append)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[1]["value_loss"] > 0  # the critic learns
+    return rows
+
+
+def assert_same_steps(got, want):
+    """Rewards and token counts exactly; losses to float rounding. Two fresh runs of one config in
+    one process already differ there: the engine's sampling log-probs (mismatch_kl ~1e-13) enter the
+    policy loss through the ratio, ~1e-7 absolute; value_loss is the trainer's alone (1e-6 covers
+    the weights' rounding after one more step)."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        for k in ("reward", "reward_max", "tokens", "trained_tokens"):
+            assert g[k] == w[k], (g["step"], k)
+        assert g["value_loss"] == pytest.approx(w["value_loss"], rel=1e-6), g["step"]
+        for k in ("loss", "grad_norm"):
+            assert g[k] == pytest.approx(w[k], rel=1e-3, abs=1e-6), (g["step"], k)
+
+
+@pytest.mark.parametrize("how", ["crash", "extend"])
+def test_a_resumed_gae_run_equals_the_uninterrupted_one(tmp_path, uninterrupted_gae_run, how, monkeypatch):
+    """Resumed from the step-2 checkpoint: after a crash in step 3 (the same config), or a run of
+    steps = 2 extended to steps = 4. Breaks if the critic, its optimizer state or the RNG/data
+    position is not restored (steps 3-4 then sample or score differently). Negative control: the
+    same resume with the value head left out of the load differs (value_loss by ~40%)."""
+    want = uninterrupted_gae_run[2:]
+    run = tmp_path / "run"
+    if how == "crash":
+
+        def crash(m):
+            if m["step"] == 3:  # after the step-2 checkpoint
+                raise Crash
+
+        with pytest.raises(Crash):
+            train(gae_config(run), on_step=crash)
+    else:
+        train(gae_config(run, steps=2))
+    control_dir = shutil.copytree(run, tmp_path / "control")  # the same run in another folder
+    saved = json.loads((control_dir / "config.json").read_text())
+    (control_dir / "config.json").write_text(json.dumps(saved | {"out": str(control_dir)}))
+    got = []
+    try:
+        train(gae_config(run), resume=True, on_step=got.append)
+    except ValueError as e:  # the resume rules before issue 12 item 4 refused a larger `steps`
+        if how == "extend" and "differs" in str(e):
+            pytest.xfail(f"resume refuses steps 2 -> 4 ({e}); allowed once issue 12 item 4 lands")
+        raise
+    assert_same_steps(got, want)
+
+    real = loop.load_checkpoint
+
+    def without_the_critic(path, model, optimizer, modules=None):
+        return real(path, model, optimizer, {k: v for k, v in (modules or {}).items() if k != "value_head"})
+
+    monkeypatch.setattr(loop, "load_checkpoint", without_the_critic)
+    control = []
+    train(gae_config(control_dir), resume=True, on_step=control.append)
+    assert abs(control[0]["value_loss"] - want[0]["value_loss"]) > 0.1 * want[0]["value_loss"]
