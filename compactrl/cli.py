@@ -819,5 +819,32 @@ def config_reference_cmd(
         out.print(f"wrote {output}")
 
 
+@app.command("plot")
+def plot_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by compactrl train.")],
+    output: Annotated[
+        Path | None, typer.Option("--out", help="PNG path (default: RUN_DIR/curves.png).")
+    ] = None,
+    metric: Annotated[
+        list[str] | None,
+        typer.Option("--metric", help="Draw this metrics.jsonl field, one panel each (repeatable)."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Draw a run's training curves (reward, loss, KL, time per step; SFT steps shaded) to PNG."""
+    from compactrl.plot import PlotError, plot_run
+
+    try:
+        result = plot_run(run_dir, output, metric)
+    except PlotError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {e.filename or output}: {e.strerror or e}")
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(f"{result['png']} ({result['steps']} steps: {', '.join(result['panels'])})", soft_wrap=True)
+
+
 if __name__ == "__main__":
     app()
