@@ -11,19 +11,26 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-trace_app = typer.Typer(no_args_is_help=True, help="Inspect rollout traces.")
-verify_app = typer.Typer(no_args_is_help=True, help="Numerical checks against an independent oracle.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side in one run).")
+# Plain help (no rich panels): typer's rich help prints every flag as `--json <bool>`.
+PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
+app = typer.Typer(add_completion=False, help=__doc__, **PLAIN)
+trace_app = typer.Typer(help="Inspect rollout traces.", **PLAIN)
+verify_app = typer.Typer(help="Numerical checks against an independent oracle.", **PLAIN)
+bench_app = typer.Typer(help="Benchmarks (ratios measured side by side in one run).", **PLAIN)
 app.add_typer(trace_app, name="trace")
 app.add_typer(verify_app, name="verify")
 app.add_typer(bench_app, name="bench")
-config_app = typer.Typer(
-    no_args_is_help=True, help="Run configs: one resolved with every default, the field reference."
-)
+config_app = typer.Typer(help="Run configs: one resolved with every default, the field reference.", **PLAIN)
 app.add_typer(config_app, name="config")
 
 out = Console()
@@ -33,19 +40,21 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable J
 
 
 def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 @contextmanager
 def progress_bar(label: str):
-    """Yields ``progress(total) -> advance()`` for the library's long loops (stderr, tty only)."""
-    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    """Yields ``progress(total) -> advance(info=None)`` for the library's long loops (stderr, tty
+    only); ``info`` (e.g. the step's reward) is shown next to the bar until the next one."""
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=err, transient=True, disable=not sys.stderr.isatty()) as bar:
 
         def progress(total: int):
-            task = bar.add_task(label, total=total)
-            return lambda: bar.advance(task)
+            task = bar.add_task(label, total=total, info="")
+            return lambda info=None: bar.update(task, advance=1, **({"info": info} if info else {}))
 
         yield progress
 
@@ -68,6 +77,12 @@ def check_device(device: str) -> None:
         fail("--device cuda but torch sees no CUDA device (is this a CPU build of torch?)")
 
 
+def os_error(e: OSError) -> str:
+    """One line for a file-system failure: the path and the cause, not a traceback."""
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e} (check the path's permissions and free space)"
+
+
 def emit_json(data: dict, path: Path | None = None) -> None:
     text = json.dumps(data, indent=2)
     if path:
@@ -76,7 +91,8 @@ def emit_json(data: dict, path: Path | None = None) -> None:
 
 
 SetOption = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a config field: section.field=value (repeatable).")
+    list[str] | None,
+    typer.Option("--set", metavar="SECTION.FIELD=VALUE", help="Override a config field (repeatable)."),
 ]
 
 
@@ -117,11 +133,16 @@ def rollout_cmd(
 def train_cmd(
     config: Annotated[Path | None, typer.Argument(help="TOML config (default: built-in defaults).")] = None,
     overrides: SetOption = None,
-    resume: Annotated[bool, typer.Option(help="Continue from the run's newest checkpoint.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in `out` from its newest checkpoint.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Delete what `out` holds and start a new run there.")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Train a policy on multi-turn episodes with compaction (sample -> train -> repeat)."""
-    from compactrl.rl.loop import TrainConfig, train
+    from compactrl.rl.loop import Interrupted, TrainConfig, train
 
     cfg = load_run_config(TrainConfig, config, overrides)
 
@@ -129,22 +150,38 @@ def train_cmd(
         if as_json:
             return
         if m["phase"] != "rl":  # supervised steps on demonstrations
-            out.print(f"step {m['step']:>4}  {m['phase']}  loss {m['loss']:.4f}  train {m['train_s']:.1f}s")
+            out.print(
+                f"step {m['step']:>4}  {m['phase']}  loss {m['loss']:.3e}  grad {m['grad_norm']:.2e}  "
+                f"train {m['train_s']:.1f}s"
+            )
             return
         out.print(
-            f"step {m['step']:>4}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
-            f"mismatch_kl {m['mismatch_kl']:.1e}  gen {m['generate_s']:.1f}s  train {m['train_s']:.1f}s"
+            f"step {m['step']:>4}  reward {m['reward']:.3f}  loss {m['loss']:+.3e}  "
+            f"grad {m['grad_norm']:.2e}  mismatch_kl {m['mismatch_kl']:.1e}  "
+            f"gen {m['generate_s']:.1f}s  train {m['train_s']:.1f}s"
         )
 
     try:
         with progress_bar("train") as progress:
-            last = train(cfg, resume=resume, progress=progress, on_step=show)
+            last = train(cfg, resume=resume, overwrite=overwrite, progress=progress, on_step=show)
+    except Interrupted as e:
+        fail(str(e), code=130)
+    except KeyboardInterrupt:
+        fail(
+            f"stopped without saving this step; --resume continues from the newest checkpoint in {cfg.out}",
+            130,
+        )
     except (FileNotFoundError, ImportError, ValueError) as e:
         fail(str(e))
+    except OSError as e:
+        fail(os_error(e))
     if as_json:
         emit_json(last)
     else:
-        out.print(f"run directory: {cfg.out} (metrics.jsonl, checkpoints/)")
+        out.print(
+            f"run directory: {cfg.out} (metrics.jsonl, checkpoints/, summary.json); "
+            f"curves: compactrl plot {cfg.out}"
+        )
 
 
 @app.command("eval")
@@ -152,28 +189,37 @@ def eval_cmd(
     config: Annotated[Path | None, typer.Argument(help="The run's TOML config.")] = None,
     overrides: SetOption = None,
     checkpoint: Annotated[
-        Path | None, typer.Option(help="A checkpoints/step_* folder (default: the run's initial model).")
+        Path | None,
+        typer.Option(
+            help="A checkpoints/step_* folder, or a run folder (its newest checkpoint); "
+            "default: the run's initial model."
+        ),
     ] = None,
     episodes: Annotated[int, typer.Option(help="Held-out episodes (seeds disjoint from training).")] = 32,
-    greedy: Annotated[bool, typer.Option(help="Decode greedily instead of sampling.")] = False,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Decode greedily instead of sampling.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Evaluate a policy on held-out episodes without training."""
+    """Evaluate a policy on held-out episodes without training; one result file per checkpoint."""
     from compactrl.rl.loop import TrainConfig, evaluate
 
     cfg = load_run_config(TrainConfig, config, overrides)
     if episodes < 1:
         fail("--episodes must be >= 1")
+    if checkpoint is not None and not checkpoint.exists():
+        fail(f"--checkpoint {checkpoint} does not exist")
     try:
         result = evaluate(cfg, checkpoint, episodes, greedy)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
+    except OSError as e:
+        fail(os_error(e))
     if as_json:
         emit_json(result)
     else:
         out.print(
-            f"{result['episodes']} episodes: mean reward {result['mean_reward']:.3f}, "
-            f"success {result['success_rate']:.1%}, errors {result['errors']}"
+            f"{result['checkpoint'] or 'initial model'}: {result['episodes']} episodes, mean reward "
+            f"{result['mean_reward']:.3f}, success {result['success_rate']:.1%}, errors {result['errors']}; "
+            f"wrote {result['path']}"
         )
 
 
@@ -703,7 +749,9 @@ def bench_modes(
     rooms: Annotated[int, typer.Option(help="Turns of the long-horizon rooms task.")] = 40,
     window: Annotated[int, typer.Option(help="Sliding-window / Markovian window in turns.")] = 10,
     threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 1,
-    repeats: Annotated[int, typer.Option(help="Timed repeats per mode (median is reported).")] = 1,
+    repeats: Annotated[
+        int, typer.Option(help="Rounds of every run, interleaved (median, min and max are reported).")
+    ] = 3,
     sweep: Annotated[
         list[int] | None, typer.Option(help="Concurrency levels of the sweep (repeatable).")
     ] = None,
@@ -744,7 +792,8 @@ def bench_modes(
         return
     m, model = result["machine"], result["model"]
     out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="same episodes, three modes")
+    title = f"same episodes, three modes; wall s: median [min-max] of {result['repeats']} interleaved rounds"
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title)
     columns = ("strategy", "mode", "wall s", "prefilled", "re-prefilled", "predicted", "peak KV", "KV reads")
     for name in columns:
         table.add_column(name, no_wrap=True)
@@ -752,23 +801,61 @@ def bench_modes(
         for mode in ("full", "reprefill", "stream"):
             x = r[mode]
             table.add_row(
-                r["strategy"], mode, f"{x['wall_s']:.2f}", str(x["prefilled_tokens"]),
-                str(x["reprefilled_tokens"]), str(x["predicted_reprefilled_tokens"]),
-                str(x["peak_live_kv"]), str(x["kv_reads"]),
+                r["strategy"], mode, f"{x['wall_s']:.2f} [{x['wall_s_min']:.2f}-{x['wall_s_max']:.2f}]",
+                str(x["prefilled_tokens"]), str(x["reprefilled_tokens"]),
+                str(x["predicted_reprefilled_tokens"]), str(x["peak_live_kv"]), str(x["kv_reads"]),
             )  # fmt: skip
-        line = f"{r['strategy']}: wall-clock reprefill / stream = {r['wallclock_ratio']:.2f}"
+        line = (
+            f"{r['strategy']}: wall-clock reprefill / stream = {r['wallclock_ratio']:.2f} "
+            f"(per round {r['wallclock_ratio_min']:.2f}-{r['wallclock_ratio_max']:.2f})"
+        )
         if "vllm_reprefill" in r:
             line += f", reprefill on vLLM / stream = {r['wallclock_ratio_vs_vllm']:.2f}"
         out.print(line)
     out.print(table)
     c = result["concurrency"]
+    out.print(f"KV pool {c['pool_tokens']} tokens = {c['pool_sizing']}; preemption starts at (bisected):")
+    for mode, o in c["onsets"].items():
+        if o["measured"] is None:
+            out.print(f"  {mode}: no preemption up to {max(p['concurrency'] for p in c[mode])} episodes")
+            continue
+        out.print(
+            f"  {mode}: {o['measured']} concurrent episodes (sweep level {o['coarse']}); predicted "
+            f"{o['predicted']} = pool // {o['peak_kv_per_episode']} (peak KV footprint per episode) + 1; "
+            f"from the peak live KV ({o['peak_live_kv_per_episode']}) alone {o['predicted_from_live_kv']}"
+        )
     bound = " (stream never preempted: lower bound)" if c["concurrency_ratio_is_lower_bound"] else ""
-    out.print(
-        f"KV pool {c['pool_tokens']} tokens: preemption starts at {c['preemption_onset']['full']} concurrent "
-        f"episodes in full mode, {c['preemption_onset']['stream']} in stream mode; ratio "
-        f"{c['concurrency_ratio']}{bound}"
-    )
+    ratio = "-" if c["concurrency_ratio"] is None else f"{c['concurrency_ratio']:.2f}"
+    predicted = "-" if c["predicted_concurrency_ratio"] is None else f"{c['predicted_concurrency_ratio']:.2f}"
+    out.print(f"concurrency ratio stream / full: {ratio}{bound}, predicted {predicted}")
     out.print("plots: " + ", ".join(result.get("plots", [])))
+
+
+@app.command("plot")
+def plot_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by compactrl train.")],
+    output: Annotated[
+        Path | None, typer.Option("--out", help="PNG path (default: RUN_DIR/curves.png).")
+    ] = None,
+    metric: Annotated[
+        list[str] | None,
+        typer.Option("--metric", help="Draw this metrics.jsonl field, one panel each (repeatable)."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Draw a run's training curves (reward, loss, KL, time per step; SFT steps shaded) to PNG."""
+    from compactrl.plot import PlotError, plot_run
+
+    try:
+        result = plot_run(run_dir, output, metric)
+    except PlotError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {e.filename or output}: {e.strerror or e}")
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(f"{result['png']} ({result['steps']} steps: {', '.join(result['panels'])})", soft_wrap=True)
 
 
 @config_app.command("show")
@@ -817,33 +904,6 @@ def config_reference_cmd(
         except OSError as e:
             fail(f"cannot write {output}: {e.strerror or e}")
         out.print(f"wrote {output}")
-
-
-@app.command("plot")
-def plot_cmd(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory written by compactrl train.")],
-    output: Annotated[
-        Path | None, typer.Option("--out", help="PNG path (default: RUN_DIR/curves.png).")
-    ] = None,
-    metric: Annotated[
-        list[str] | None,
-        typer.Option("--metric", help="Draw this metrics.jsonl field, one panel each (repeatable)."),
-    ] = None,
-    as_json: JsonFlag = False,
-) -> None:
-    """Draw a run's training curves (reward, loss, KL, time per step; SFT steps shaded) to PNG."""
-    from compactrl.plot import PlotError, plot_run
-
-    try:
-        result = plot_run(run_dir, output, metric)
-    except PlotError as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"cannot write {e.filename or output}: {e.strerror or e}")
-    if as_json:
-        emit_json(result)
-    else:
-        out.print(f"{result['png']} ({result['steps']} steps: {', '.join(result['panels'])})", soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -105,10 +105,22 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] = 
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
+        given = {o.partition("=")[0].strip(): o for o in overrides}
         lines = []
         for err in e.errors():
-            where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            loc = [str(x) for x in err["loc"]]
+            where = ".".join(loc) or "(top level)"
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  {where}: {msg}" + (f" (got {err['input']!r})" if "input" in err else ""))
-        src = f"{path}" if path else "the config"
-        raise ConfigError(f"{src} is invalid:\n" + "\n".join(lines)) from e
+            line = f"  {where}: {msg}" + (f" (got {err['input']!r})" if "input" in err else "")
+            # the --set that put the bad value there (pydantic adds the variant's name to the path)
+            source = next((o for k, o in given.items() if k and _covers(k.split("."), loc)), None)
+            lines.append(line + (f", from --set {source}" if source else ""))
+        src = f"{path}" if path else "the built-in defaults"
+        with_sets = " with --set " + " ".join(overrides) if overrides else ""
+        raise ConfigError(f"{src}{with_sets} is invalid:\n" + "\n".join(lines)) from e
+
+
+def _covers(key: list[str], loc: list[str]) -> bool:
+    """Whether error location ``loc`` lies under override ``key`` (``loc`` may hold a variant tag)."""
+    rest = iter(loc)
+    return all(any(part == x for x in rest) for part in key)

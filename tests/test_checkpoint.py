@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_trainer import engine_traces
 
-from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from compactrl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from compactrl.rl.critic import ValueHead
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
 
@@ -56,5 +56,5 @@ def test_checkpoints_rotate_and_bad_paths_are_named(tiny_lm, tmp_path):
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000002", "step_00000003"]
     assert latest_checkpoint(tmp_path).name == "step_00000003"
-    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
         load_checkpoint(tmp_path, t.model, t.optimizer)

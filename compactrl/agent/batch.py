@@ -56,7 +56,10 @@ class ModelSource(BaseModel):
     @field_validator("path")
     @classmethod
     def _exists(cls, v: str | None) -> str | None:
-        if v is not None and not (Path(v).expanduser() / "config.json").is_file():
+        if v is None:
+            return None
+        v = str(Path(v).expanduser())  # validated and loaded as the same folder
+        if not (Path(v) / "config.json").is_file():
             raise ValueError(
                 f"{v} has no config.json; point at a Hugging Face model folder (import a GGUF one with "
                 "`compactrl import-gguf FILE DIR`; SmolLM2: `compactrl import-gguf --smollm2 DIR`), "

@@ -19,8 +19,11 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -37,10 +40,18 @@ from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.models.loading import load_model, save_model
 from compactrl.models.lora import Adapters
 from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
-from compactrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from compactrl.rl.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_writes,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from compactrl.rl.critic import ValueHead
 from compactrl.rl.demos import demo_trace
 from compactrl.rl.forward import stream_logprobs
+from compactrl.rl.monitor import LogSettings, Monitor, check_log_settings, note
+from compactrl.rl.run_dir import RunDirError, open_run_dir
 from compactrl.rl.sampler import BackgroundSampler, sample_batch
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
 
@@ -115,6 +126,7 @@ class TrainConfig(BaseModel):
     )
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     out: str = Field("runs/train", description="run directory (config, metrics, checkpoints)")
+    log: LogSettings = LogSettings()
     sft_steps: int = Field(0, ge=0, description="the first steps are SFT on full-context demonstrations")
     sft_lr: float | None = Field(None, gt=0, description="learning rate of the SFT warm-up (None: train.lr)")
 
@@ -220,35 +232,66 @@ def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, en
     return {"step": step, "phase": "sft_evicted" if evicted else "sft", **{k: stats[k] for k in keep}}
 
 
-def _log(path: Path, writer, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if writer is not None:
-        for k, v in row.items():
-            if isinstance(v, (int, float)):
-                writer.add_scalar(k, v, row["step"])
+class Interrupted(Exception):
+    """Ctrl-C stopped training after a whole step; a checkpoint of that step was saved."""
+
+    def __init__(self, step: int, checkpoint: Path) -> None:
+        super().__init__(f"interrupted after step {step}: saved {checkpoint}; continue with --resume")
+        self.step, self.checkpoint = step, checkpoint
 
 
-def _tensorboard(run_dir: Path):
+@contextmanager
+def _finish_step_on_interrupt():
+    """The first Ctrl-C sets a flag the loop checks after each step (which then checkpoints and
+    stops); a second one stops at once, without a checkpoint. Main thread only (signals)."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def first(signum, frame):
+        note("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops now, unsaved)")
+        flag.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, first)
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # TensorBoard is optional
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -> dict:
-    """Run (or resume) training; returns the last step's metrics."""
+def _resume_point(run_dir: Path, model, trainer: Trainer, modules: dict) -> dict:
+    """Load the newest complete checkpoint (saying which, and what it fell back from); none: step 0."""
+    remove = remove_partial_writes(run_dir)
+    if remove:
+        note(f"removed {len(remove)} unfinished checkpoint write(s) in {run_dir / 'checkpoints'}")
+    skipped: list[str] = []
+    ckpt = latest_checkpoint(run_dir, skipped)
+    for reason in skipped:
+        note(f"skipping a checkpoint: {reason}")
+    if ckpt is None:
+        note(f"no complete checkpoint in {run_dir / 'checkpoints'}: the run starts again from step 0")
+        return {"step": 0, "state": {}}
+    loaded = load_checkpoint(ckpt, model, trainer.optimizer, modules)
+    if skipped:
+        note(f"resuming from {ckpt} (step {loaded['step']})")
+    return loaded
+
+
+def train(
+    cfg: TrainConfig, resume: bool = False, progress=None, on_step=None, overwrite: bool = False
+) -> dict:
+    """Run (or resume) training; returns the last step's metrics. A folder that already holds a
+    run needs ``resume`` (continue it) or ``overwrite`` (delete it first): two runs never mix."""
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)  # initialises what the run creates (critic, LoRA adapters) reproducibly
     run_dir = Path(cfg.out)
+    check_log_settings(cfg.log)
+    keep = [Path(cfg.model.path)] if cfg.model.path else []
+    open_run_dir(run_dir, json.loads(cfg.model_dump_json()), resume, overwrite, keep)
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved = run_dir / "config.json"
-    if resume and saved.exists() and json.loads(saved.read_text()) != json.loads(cfg.model_dump_json()):
-        raise ValueError(
-            f"--resume with a config that differs from {saved}; resume with the run's own config"
-        )
-    saved.write_text(cfg.model_dump_json(indent=2) + "\n")
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)
     source = cfg.model.folder(run_dir)  # the tokenizer files checkpoints carry
     model = engine.model
@@ -261,58 +304,64 @@ def train(cfg: TrainConfig, resume: bool = False, progress=None, on_step=None) -
     modules = {"value_head": head} if head is not None else {}
     if cfg.train.lora:  # the base stays the initial model; checkpoints carry the adapters
         modules["lora"] = Adapters(model)
-    start = data_position = 0  # data_position: the last batch of env seeds trained on
-    sampler = None
-    if resume:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        loaded = load_checkpoint(ckpt, model, trainer.optimizer, modules)
-        start, data_position = loaded["step"], loaded["state"].get("data_position", loaded["step"])
-    metrics_path = run_dir / "metrics.jsonl"
-    if metrics_path.exists():  # keep only the steps the checkpoint covers
-        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-    writer = _tensorboard(run_dir)
-    advance = progress(cfg.steps - start) if progress else (lambda: None)
-    last: dict = {}
+    loaded = _resume_point(run_dir, model, trainer, modules) if resume else {"step": 0, "state": {}}
+    start = loaded["step"]
+    data_position = loaded["state"].get("data_position", start)  # the last batch of env seeds trained on
+    earlier_wall = loaded["state"].get("wall_s", 0.0)  # the run's time up to that checkpoint
+    if start > cfg.steps:
+        raise RunDirError(
+            f"steps = {cfg.steps} but the run's checkpoint is at step {start}: resume with steps >= {start}"
+        )
+    if resume and start == cfg.steps:
+        note(f"the run is already at step {start} = steps; --set steps=N (N > {start}) extends it")
+    monitor = Monitor(run_dir, cfg.log, start, json.loads(cfg.model_dump_json()))
+    advance = progress(cfg.steps - start) if progress else (lambda info=None: None)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
+    last: dict = summary.get("last_step", {}) if start == cfg.steps else {}
     clock = (time.perf_counter(), time.process_time())
+    sampler = None
+
+    def checkpoint(step: int) -> Path:
+        state = {"data_position": data_position, "wall_s": earlier_wall + time.perf_counter() - clock[0]}
+        return save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules, tokenizer_dir=source)
+
     try:
-        for step in range(start + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            if step == cfg.sft_steps + 1 and cfg.eval_episodes:
-                _record_eval(cfg, engine, summary, "before")
-            for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
-                group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
-            if step <= cfg.sft_steps or cfg.objective == "sft":  # demonstrations, the same optimizer
-                env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
-                last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=step > cfg.sft_steps)
-                data_position = step
-            else:
-                if (cfg.train.kl_ref or cfg.objective == "distill") and trainer.reference is None:
-                    trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
-                if cfg.max_lag and sampler is None:  # sample ahead from here on, on the engine's own copy
-                    first = data_position + 1
-                    sampler = BackgroundSampler(cfg, model, engine.tokenizer, fmt, strategy, first)
-                last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, sampler, t0)
-                data_position = sampler.next_index - 1 if sampler is not None else step
-            _log(metrics_path, writer, last)
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                state = {"data_position": data_position}
-                save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules, tokenizer_dir=source)
-            if on_step is not None:
-                on_step(last)
-            advance()
+        with _finish_step_on_interrupt() as interrupted:
+            for step in range(start + 1, cfg.steps + 1):
+                t0 = time.perf_counter()
+                if step == cfg.sft_steps + 1 and cfg.eval_episodes:
+                    _record_eval(cfg, engine, summary, "before")
+                for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
+                    group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
+                if step <= cfg.sft_steps or cfg.objective == "sft":  # demonstrations, the same optimizer
+                    env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+                    last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=step > cfg.sft_steps)
+                    data_position = step
+                else:
+                    if (cfg.train.kl_ref or cfg.objective == "distill") and trainer.reference is None:
+                        trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
+                    if cfg.max_lag and sampler is None:  # sample ahead from here on, on the engine's own copy
+                        first = data_position + 1
+                        sampler = BackgroundSampler(cfg, model, engine.tokenizer, fmt, strategy, first)
+                    last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, sampler, t0)
+                    data_position = sampler.next_index - 1 if sampler is not None else step
+                monitor.log(last)
+                saved = checkpoint(step) if step % cfg.checkpoint_every == 0 or step == cfg.steps else None
+                if on_step is not None:
+                    on_step(last)
+                advance(f"reward {last['reward']:.3f}" if "reward" in last else f"loss {last['loss']:.2e}")
+                if interrupted.is_set():
+                    raise Interrupted(step, saved or checkpoint(step))
     finally:
         if sampler is not None:
             sampler.close()
-    if writer is not None:
-        writer.close()
+        monitor.close()
     if cfg.eval_episodes and start < cfg.steps:
         _record_eval(cfg, engine, summary, "after")
-    summary["wall_s"] = summary.get("wall_s", 0.0) + time.perf_counter() - clock[0]
+    part = time.perf_counter() - clock[0]
+    summary["wall_s"] = earlier_wall + part  # the whole run, all resumed parts (to the last checkpoint)
+    summary["wall_s_this_part"] = part
     summary["cpu_s"] = summary.get("cpu_s", 0.0) + time.process_time() - clock[1]
     summary["last_step"] = last
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -429,14 +478,23 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
 def evaluate(
     cfg: TrainConfig, checkpoint: str | Path | None = None, episodes: int = 32, greedy: bool = False
 ) -> dict:
-    """Run ``episodes`` held-out episodes (env seeds disjoint from training's) with the run's
-    model or a checkpoint's, without training; writes ``eval.jsonl`` into the run directory."""
+    """Run ``episodes`` held-out episodes (env seeds disjoint from training's) with the run's initial
+    model, a checkpoint's, or a run folder's newest checkpoint, without training. Each checkpoint
+    (and decoding) keeps its own result: ``run_dir/eval/<checkpoint>[-greedy].json``."""
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out)
-    weights = Path(checkpoint) / "model" if checkpoint is not None else None
-    engine = load_engine(cfg.model, cfg.engine, run_dir, weights)
+    ckpt = None
+    if checkpoint is not None:
+        skipped: list[str] = []
+        ckpt = resolve_checkpoint(checkpoint, skipped)
+        for reason in skipped:
+            note(f"skipping a checkpoint: {reason}")
+        if ckpt != Path(checkpoint):
+            note(f"evaluating {ckpt}, the newest complete checkpoint of {checkpoint}")
+    engine = load_engine(cfg.model, cfg.engine, run_dir, ckpt / "model" if ckpt else None)
     stats, results = _held_out(cfg, engine, episodes, greedy)
-    with open(run_dir / "eval.jsonl", "w") as f:
-        for r in results:
-            f.write(json.dumps(r.metrics()) + "\n")
-    return {"checkpoint": str(checkpoint) if checkpoint else None, **stats}
+    result = {"checkpoint": str(ckpt) if ckpt else None, **stats}
+    path = run_dir / "eval" / f"{ckpt.name if ckpt else 'initial'}{'-greedy' if greedy else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result | {"episode_metrics": [r.metrics() for r in results]}, indent=1) + "\n")
+    return result | {"path": str(path)}
