@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool", "summary")
+RECORD_FIELDS = ("tokens", "evict_at", "trainable", "role", "turn")  # what a trace file must hold per token
 NO_CURSOR = -1
 
 
@@ -165,6 +166,7 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trace:
+        """A trace from its JSON record; the per-token fields of :data:`RECORD_FIELDS` are required."""
         if not isinstance(d, dict) or "tokens" not in d:
             raise TraceError("a trace record must be a JSON object with at least a 'tokens' list")
         unknown = set(d) - {
@@ -181,6 +183,9 @@ class Trace:
         }
         if unknown:
             raise TraceError(f"unknown trace field(s) {sorted(unknown)}; check the writer's version")
+        missing = [k for k in RECORD_FIELDS if k not in d]
+        if missing:  # defaults would silently make every token a trainable-free user token
+            raise TraceError(f"a trace record needs {missing} (every writer stores them); check the writer")
         lp = d.get("logprobs")
         if lp is not None:
             lp = [np.nan if x is None else x for x in lp]

@@ -120,3 +120,22 @@ def test_verify_engine_and_trainer_commands():
     assert json.loads(r.stdout)["ok"]
     r = runner.invoke(app, ["verify", "engine", "--pool", "10"])
     assert r.exit_code == 2 and "--pool" in r.output
+
+
+def test_help_shows_flags_as_flags():
+    """typer's rich help printed every flag as `--json <bool>`; plain help shows `--json`."""
+    for cmd in (["train"], ["eval"], ["verify", "engine"], ["bench", "modes"]):
+        text = runner.invoke(app, [*cmd, "--help"]).output
+        assert "--json" in text and "<bool>" not in text, cmd
+
+
+def test_set_errors_name_the_override_and_home_paths_expand(model_dir, monkeypatch):
+    from compactrl.agent.batch import ModelSource
+
+    r = runner.invoke(app, ["train", "configs/quickstart.toml", "--set", "train.lr=-1"])
+    assert r.exit_code == 2
+    assert "configs/quickstart.toml with --set train.lr=-1 is invalid" in r.output
+    assert "train.lr: Input should be greater than 0 (got -1), from --set train.lr=-1" in r.output
+    monkeypatch.setenv("HOME", str(model_dir.parent))
+    src = ModelSource(path=f"~/{model_dir.name}")  # validated and loaded as the same folder
+    assert src.folder("unused") == model_dir and (src.folder("unused") / "config.json").is_file()

@@ -50,12 +50,18 @@ def test_bad_files_name_the_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     save_traces(p, [random_stream(0, T=20)])
     with p.open("a") as f:
-        f.write('{"tokens": [1, 2], "evict_at": [0, 2]}\n')
+        f.write(
+            '{"tokens": [1, 2], "evict_at": [0, 2], "trainable": [0, 0], "role": ["user", "user"], '
+            '"turn": [0, 0]}\n'
+        )
         f.write("not json\n")
     with pytest.raises(TraceError, match=r"bad.jsonl:2: .*evict_at\[0\]"):
         load_traces(p)
     p.write_text('{"tokens": [1], "colour": 3}\n')
     with pytest.raises(TraceError, match="unknown trace field"):
         load_traces(p)
+    p.write_text('{"tokens": [1, 2], "evict_at": [2, 2], "trainable": [0, 1], "turn": [0, 0]}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: a trace record needs \['role'\]"):
+        load_traces(p)  # a defaulted role would make the trainable token a user token
     with pytest.raises(TraceError, match="does not exist"):
         load_traces(tmp_path / "missing.jsonl")
