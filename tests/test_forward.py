@@ -134,3 +134,38 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_lm):
     tiny_lm.zero_grad()
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_flex_forward_matches_dense_on_packed_streams_with_evictions(tiny_lm, monkeypatch):
+    """The CUDA training path (flex attention, forward-only on CPU) against the dense mask, on three
+    streams with evictions packed into one row of 300 tokens (block size 128: blocks that are
+    partly masked, partly evicted, and cross stream boundaries). Negative control: the same flex
+    path given a causal-only block mask (every ``evict_at`` = row length) must differ by nats after
+    the evictions, or the comparison cannot see the mask. Breaks if ``flex_block_mask``'s
+    ``mask_mod`` drops ``q < evict_at[kv]`` or the packing offsets, or ``create_block_mask`` marks
+    a partly evicted block as full. 300 tokens, the heads and head_dim of test_masks' flex test:
+    one compiled kernel (~8 s to compile on a cold CPU), which the control reuses."""
+    pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no flex attention")
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from compactrl.rl import forward
+
+    traces = [random_stream(s, T=n, n_events=4) for s, n in zip((21, 22, 23), (90, 100, 110))]
+    assert all(t.num_evicted > 0 for t in traces)
+    with torch.no_grad():
+        dense = stream_logprobs(tiny_lm, traces, backend="dense", max_row_tokens=300)
+        try:
+            flex = stream_logprobs(tiny_lm, traces, backend="flex", max_row_tokens=300)
+        except BackendCompilerFailed as e:  # torch.compile needs a working C++ toolchain on CPU
+            pytest.skip(f"flex attention does not compile on this CPU: {e}")
+        ref = [incremental_logprobs(tiny_lm, t) for t in traces]
+        real = forward.flex_block_mask  # the same mask_mod code (no recompile), nothing evicted
+        causal_only = lambda ev, **kw: real(torch.full_like(ev, len(ev)), **kw)  # noqa: E731
+        monkeypatch.setattr(forward, "flex_block_mask", causal_only)
+        causal = stream_logprobs(tiny_lm, traces, backend="flex", max_row_tokens=300)
+    for t, d, f, r, c in zip(traces, dense, flex, ref, causal):
+        assert (f - d).abs().max() < 2e-5
+        assert (f.double() - r)[1:].abs().max() < 2e-5  # and both reproduce the evicting KV cache
+        after = torch.as_tensor(t.live_counts() < np.arange(1, len(t) + 1))  # tokens fed after an eviction
+        after = torch.cat([torch.zeros(1, dtype=torch.bool), after[:-1]])
+        assert (c - f)[after].abs().max() > 0.1  # the causal-only control sees the evicted tokens
