@@ -180,3 +180,9 @@ def test_wandb_offline_logs_every_step(tmp_path, monkeypatch):
     train(config(run, "steps=2", "log.wandb=true", "log.wandb_mode=offline"))
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and (run / "wandb_id").read_text().strip() in offline[0].name
+
+
+def test_the_progress_bar_gets_the_reward_of_each_step(tmp_path):
+    shown = []
+    train(config(tmp_path / "run", "steps=2"), progress=lambda total: shown.append(total) or shown.append)
+    assert shown[0] == 2 and all(s.startswith("reward ") for s in shown[1:]) and len(shown) == 3
