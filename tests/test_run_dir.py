@@ -47,6 +47,9 @@ def test_resume_names_the_changed_fields_and_allows_the_safe_ones(tmp_path):
     train(config(tmp_path / "a", "steps=2"))
     with pytest.raises(RunDirError, match=r"rollout\.max_turns: 64 -> 5; train\.lr: 0\.003 -> 0\.1"):
         train(config(tmp_path / "a", "steps=2", "train.lr=0.1", "rollout.max_turns=5"), resume=True)
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    del saved["log"]  # a run started before a field existed: its default is no change
+    (tmp_path / "a" / "config.json").write_text(json.dumps(saved))
     shutil.move(tmp_path / "a", tmp_path / "moved")  # a moved folder and more steps: both safe
     train(config(tmp_path / "moved", "steps=4", "threads=2", "checkpoint_every=3"), resume=True)
     assert steps_logged(tmp_path / "moved") == [1, 2, 3, 4]

@@ -289,7 +289,7 @@ def train(
     run_dir = Path(cfg.out)
     check_log_settings(cfg.log)
     keep = [Path(cfg.model.path)] if cfg.model.path else []
-    open_run_dir(run_dir, json.loads(cfg.model_dump_json()), resume, overwrite, keep)
+    open_run_dir(run_dir, cfg, resume, overwrite, keep)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)

@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 SAFE_ON_RESUME = {
     "steps": "more steps extend a run (not fewer than the checkpoint's)",
     "out": "the run folder may have been moved",
@@ -46,7 +48,7 @@ def _show(v: Any) -> str:
     return "(unset)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) else json.dumps(v)
 
 
-def open_run_dir(run_dir: Path, config: dict, resume: bool, overwrite: bool, keep: list[Path] = ()) -> None:
+def open_run_dir(run_dir: Path, cfg: BaseModel, resume: bool, overwrite: bool, keep: list[Path] = ()) -> None:
     """Check ``run_dir`` for a new run or a resume before any heavy work; with ``overwrite`` empty it.
     ``keep`` are paths the run reads (its model) that overwriting must not delete."""
     if resume and overwrite:
@@ -60,7 +62,13 @@ def open_run_dir(run_dir: Path, config: dict, resume: bool, overwrite: bool, kee
             old = json.loads(saved.read_text())
         except ValueError as e:
             raise RunDirError(f"--resume: {saved} is not valid JSON ({e}); restore it or start over") from e
-        changed = [c for c in config_changes(old, config) if c[0] not in SAFE_ON_RESUME]
+        try:  # with the defaults filled in, so a field added since the run started is no change
+            old = json.loads(type(cfg).model_validate(old).model_dump_json())
+        except ValidationError:
+            pass  # compared as saved: the fields that no longer validate show up as changes
+        changed = [
+            c for c in config_changes(old, json.loads(cfg.model_dump_json())) if c[0] not in SAFE_ON_RESUME
+        ]
         if changed:
             lines = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in changed)
             raise RunDirError(
