@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from compactrl.rl.advantages import (
@@ -60,6 +60,73 @@ def test_exact_cross_segment_gae_equals_gae_on_the_uncompacted_trajectory(lam):
     parts = cross_segment_gae(segs, 0.99, lam, "exact")
     torch.testing.assert_close(torch.cat([a for a, _ in parts]), whole)
     torch.testing.assert_close(torch.cat([r for _, r in parts]), whole_ret)
+
+
+def loop_cross_segment_gae(segments, gamma, lam, form):
+    """Cross-segment GAE as its docstring states it, in plain Python floats (no torch, no `gae`).
+    The steps are the action tokens (``steps`` set), in rollout order: segment by segment, token by
+    token; rewards and values elsewhere are not read. exact: one recursion over all of them, 0 after
+    the last. parallel: one recursion per segment, its last step bootstrapped from the first action
+    value of the next segment that has one (0 if none). Advantages and returns (A + V) at action
+    tokens, 0 elsewhere."""
+    rows = [([float(x) for x in r], [float(x) for x in v], [bool(x) for x in s]) for r, v, s in segments]
+    actions = [(k, i) for k, (_, _, s) in enumerate(rows) for i in range(len(s)) if s[i]]
+    adv = [[0.0] * len(s) for _, _, s in rows]
+    ret = [[0.0] * len(s) for _, _, s in rows]
+    chains = [actions] if form == "exact" else [[a for a in actions if a[0] == k] for k in range(len(rows))]
+    for chain in chains:
+        if not chain:
+            continue
+        later = [(k, i) for k, i in actions if k > chain[-1][0]]
+        next_value = rows[later[0][0]][1][later[0][1]] if later else 0.0  # exact: nothing is later
+        a = 0.0
+        for k, i in reversed(chain):
+            r, v = rows[k][0][i], rows[k][1][i]
+            a = r + gamma * next_value - v + gamma * lam * a  # delta_t + gamma lam A_{t+1}
+            adv[k][i], ret[k][i] = a, a + v
+            next_value = v
+    return adv, ret
+
+
+@given(
+    st.integers(1, 60),
+    st.lists(st.integers(0, 60), max_size=4),
+    st.integers(0, 2**16),
+    st.sampled_from([1.0, 0.9]),
+    st.sampled_from([0.0, 0.5, 0.95, 1.0]),
+    st.sampled_from(["exact", "parallel"]),
+)
+# segment 1 empty, segment 2 without an action token, between segments with actions
+@example(T=30, cuts=[10, 10, 12, 20], seed=1, gamma=1.0, lam=0.95, form="parallel")
+@example(T=30, cuts=[10, 10, 12, 20], seed=1, gamma=0.9, lam=0.5, form="exact")
+@settings(max_examples=60, deadline=None)
+def test_cross_segment_gae_equals_an_independent_recursion(T, cuts, seed, gamma, lam, form):
+    """Random splits, including empty segments and segments without an action token (the chain
+    and the bootstrap run past them), and rewards/values on non-action tokens that must be ignored.
+    Breaks if segments are joined out of order, a non-action value bootstraps a step, results land
+    at the wrong tokens, returns are not A + V, or a form bootstraps from the wrong segment."""
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.rand(T, generator=g) < 0.5
+    rewards, values = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    bounds = [0, *sorted(min(c, T) for c in cuts), T]
+    segs = [(rewards[a:b], values[a:b], steps[a:b]) for a, b in zip(bounds, bounds[1:])]
+    got = cross_segment_gae(segs, gamma, lam, form)
+    adv, ret = loop_cross_segment_gae(segs, gamma, lam, form)
+    for (a, r), a_ref, r_ref in zip(got, adv, ret, strict=True):
+        np.testing.assert_allclose(a.numpy(), a_ref, atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(r.numpy(), r_ref, atol=1e-4, rtol=1e-5)
+
+
+def test_exact_cross_segment_gae_is_not_per_segment_gae():
+    """Negative control for the recursion above: the same loop restarted in each segment (no
+    bootstrap, no lambda-tail across a compaction) is a different answer, at every lambda."""
+    _, _, _, segs = split_rollout(200, [37, 90, 151], seed=4)
+    for lam in (0.0, 0.95):
+        exact = np.concatenate(loop_cross_segment_gae(segs, 0.99, lam, "exact")[0])
+        alone = np.concatenate([loop_cross_segment_gae([s], 0.99, lam, "exact")[0][0] for s in segs])
+        got = torch.cat([a for a, _ in cross_segment_gae(segs, 0.99, lam, "exact")]).numpy()
+        np.testing.assert_allclose(got, exact, atol=1e-4)
+        assert np.abs(alone - got).max() > 0.1, lam
 
 
 def test_parallel_form_is_exact_at_lambda_zero_and_approximate_beyond():
