@@ -115,8 +115,11 @@ def rollout_cmd(
     from compactrl.agent.batch import RolloutConfig, rollout
 
     cfg = load_run_config(RolloutConfig, config, overrides)
-    with progress_bar("episodes") as progress:
-        summary = rollout(cfg, progress)
+    try:
+        with progress_bar("episodes") as progress:
+            summary = rollout(cfg, progress)
+    except OSError as e:
+        fail(os_error(e))
     if as_json:
         emit_json(summary)
         return
