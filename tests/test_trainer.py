@@ -421,12 +421,7 @@ def test_a_resumed_gae_run_equals_the_uninterrupted_one(tmp_path, uninterrupted_
     saved = json.loads((control_dir / "config.json").read_text())
     (control_dir / "config.json").write_text(json.dumps(saved | {"out": str(control_dir)}))
     got = []
-    try:
-        train(gae_config(run), resume=True, on_step=got.append)
-    except ValueError as e:  # the resume rules before issue 12 item 4 refused a larger `steps`
-        if how == "extend" and "differs" in str(e):
-            pytest.xfail(f"resume refuses steps 2 -> 4 ({e}); allowed once issue 12 item 4 lands")
-        raise
+    train(gae_config(run), resume=True, on_step=got.append)  # extend: a larger steps is allowed
     assert_same_steps(got, want)
 
     real = loop.load_checkpoint
