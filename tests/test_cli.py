@@ -60,7 +60,8 @@ def test_trace_show_decodes_text(model_dir, tmp_path):
 
 def test_trace_show_bad_input_is_a_clear_error(model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"tokens": [1, 2, 3], "evict_at": [3, 1, 3]}\n')
+    fields = '"trainable": [0, 0, 0], "role": ["user", "user", "user"], "turn": [0, 0, 0]'
+    bad.write_text('{"tokens": [1, 2, 3], "evict_at": [3, 1, 3], ' + fields + "}\n")
     r = runner.invoke(app, ["trace", "show", str(bad)])
     assert r.exit_code == 2 and "evict_at[1]" in r.output
     save_traces(tmp_path / "big.jsonl", [Trace.from_tokens([1, 99999])])
