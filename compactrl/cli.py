@@ -795,7 +795,7 @@ def bench_modes(
         return
     m, model = result["machine"], result["model"]
     out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
-    title = f"same episodes, three modes; wall s: median [min-max] of {result['repeats']} interleaved rounds"
+    title = f"same episodes, three modes; wall s: median (min-max) of {result['repeats']} interleaved rounds"
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title)
     columns = ("strategy", "mode", "wall s", "prefilled", "re-prefilled", "predicted", "peak KV", "KV reads")
     for name in columns:
@@ -804,7 +804,7 @@ def bench_modes(
         for mode in ("full", "reprefill", "stream"):
             x = r[mode]
             table.add_row(
-                r["strategy"], mode, f"{x['wall_s']:.2f} [{x['wall_s_min']:.2f}-{x['wall_s_max']:.2f}]",
+                r["strategy"], mode, f"{x['wall_s']:.2f} ({x['wall_s_min']:.2f}-{x['wall_s_max']:.2f})",
                 str(x["prefilled_tokens"]), str(x["reprefilled_tokens"]),
                 str(x["predicted_reprefilled_tokens"]), str(x["peak_live_kv"]), str(x["kv_reads"]),
             )  # fmt: skip

@@ -4,12 +4,16 @@ Part 1, per strategy: one env (the long-horizon ``rooms`` task), one model, the 
 fixed-length actions, so every mode runs the same schedule of compactions. Reported per mode:
 prefilled tokens, re-prefilled tokens measured against the cost model's prediction for the
 realised schedule, wall-clock (``wallclock_ratio`` = reprefill / stream), peak live KV, KV reads.
+Every run is repeated ``repeats`` times; the runs take turns in every round, in reverse order
+every other round (so neither mode always goes first), and the median wall-clock is reported with
+its min and max, and the ratio of each round with the ratio of the medians.
 
-Part 2, a concurrency sweep under one fixed KV pool (2.5x the peak of one ``full`` episode of a
-longer task):
-episodes/s and generated tokens/s for ``full`` and ``stream`` sliding window as concurrency
-grows, and the concurrency at which each starts to preempt (``concurrency_ratio`` = stream
-onset / full onset), as in the KV-streams paper's figure 9.
+Part 2, a concurrency sweep under one fixed KV pool (``pool_episodes`` = 2.5 times the peak KV of
+one ``full`` episode of a longer task): episodes/s and generated tokens/s for ``full`` and
+``stream`` sliding window as concurrency grows, and the concurrency at which each starts to
+preempt (``concurrency_ratio`` = stream onset / full onset), as in the KV-streams paper's figure 9.
+Each onset is bisected between the sweep's levels and checked against the one predicted from
+the episodes' peak KV footprint (:func:`predicted_onset`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,8 +53,35 @@ def _strategy(name: str, window: int, budget: int):
     }[name]
 
 
-def _run(folder, make_env, strategy_cfg, mode, settings, seeds, concurrency, pool) -> tuple[float, list]:
-    engine = Engine.from_pretrained(folder, config=EngineConfig(kv_pool_tokens=pool, max_step_tokens=2048))
+class _Engine(Engine):
+    """An engine that notes the KV demand its preemption decisions are made on.
+
+    Before it feeds ``n`` tokens of a session, the scheduler checks that the pool holds every
+    resident row plus this row's ``used + n`` entries (live entries and the holes its evictions
+    left, until the row is compacted; in ``block_size`` blocks), and preempts if not. A session's
+    footprint (``peak_kv``) is the largest ``used + n`` it needed: for a stream row, its live KV
+    plus up to ``compact_holes`` of the row (at least 32 entries) in holes. ``peak_pool`` is the
+    largest total the scheduler checked; a run preempts iff it would exceed the pool."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.peak_kv: dict[str, int] = {}
+        self.peak_pool = 0
+
+    def _claim(self, s, n: int) -> int:
+        before, need = self._blocks(self.kv.used[s.row]), self._blocks(self.kv.used[s.row] + n)
+        self.peak_kv[s.id] = max(self.peak_kv.get(s.id, 0), need)
+        self.peak_pool = max(self.peak_pool, self.kv_tokens_used() - before + need)
+        return super()._claim(s, n)
+
+
+def _run(
+    folder, make_env, strategy_cfg, mode, settings, seeds, concurrency, pool, demand=False
+) -> tuple[float, list, Engine]:
+    """Wall-clock, episode results and the engine of one run; ``demand`` notes its KV demand
+    (``_Engine``: the sweep's runs; the timed runs of part 1 go without its bookkeeping)."""
+    config = EngineConfig(kv_pool_tokens=pool, max_step_tokens=2048)
+    engine = (_Engine if demand else Engine).from_pretrained(folder, config=config)
     fmt = ChatFormat.from_tokenizer(engine.tokenizer, settings.chat_rewrites, settings.chat_template_kwargs)
     strategy = build_strategy(strategy_cfg)
     t0 = time.perf_counter()
@@ -58,14 +90,16 @@ def _run(folder, make_env, strategy_cfg, mode, settings, seeds, concurrency, poo
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{mode} episodes failed: {errors[0]}")
-    return wall, results
+    return wall, results, engine
 
 
-def _totals(wall: float, results: list[EpisodeResult]) -> dict:
+def _totals(wall: float, results: list[EpisodeResult], engine: Engine | None = None) -> dict:
+    """Totals of one run; with its engine, each session's footprint and the largest pool demand."""
+
     def total(key):
         return sum(getattr(r, key) for r in results)
 
-    return {
+    out = {
         "wall_s": wall,
         "episodes": len(results),
         "turns": total("turns"),
@@ -80,6 +114,18 @@ def _totals(wall: float, results: list[EpisodeResult]) -> dict:
         "episodes_per_s": len(results) / wall,
         "generated_tokens_per_s": total("generated_tokens") / wall,
     }
+    if hasattr(engine, "peak_pool"):  # an _Engine
+        out |= {"peak_kv_per_episode": sorted(engine.peak_kv.values()), "peak_pool_demand": engine.peak_pool}
+    return out
+
+
+def _summary(runs: list[dict]) -> dict:
+    """The run of median wall-clock (token counts are the same in every run), with the spread."""
+    walls = [r["wall_s"] for r in runs]
+    med = statistics.median(walls)
+    return min(runs, key=lambda r: abs(r["wall_s"] - med)) | {
+        "wall_s": med, "wall_s_min": min(walls), "wall_s_max": max(walls), "wall_s_runs": walls,
+    }  # fmt: skip
 
 
 def _vllm_rollouts(vllm_python: str, job: dict, tmp: Path) -> list[dict]:
@@ -100,8 +146,76 @@ def _vllm_rollouts(vllm_python: str, job: dict, tmp: Path) -> list[dict]:
     return out["runs"]
 
 
+def predicted_onset(pool: int, peak_kv: int) -> int:
+    """The concurrency at which ``pool`` no longer holds as many peaks of ``peak_kv`` tokens.
+
+    A run preempts iff its KV demand (``_Engine``: every resident row, holes included, at one
+    scheduling decision) would exceed the pool. If every one of ``c`` episodes needs at most
+    ``peak`` tokens, ``c <= pool // peak`` cannot preempt, so ``pool // peak + 1`` is the earliest
+    onset; it is the onset when the episodes' footprints peak in the same step, as the sweep's do
+    (the same task, turns fed in step): every full episode peaks at its last turn, and stream rows
+    of long episodes fill with holes in step. With the peak live KV instead, holes are left out and
+    the prediction comes late: a stream row also holds up to ``compact_holes`` of itself in holes."""
+    return pool // peak_kv + 1
+
+
 def _onset(points: list[dict]) -> int | None:
     return next((p["concurrency"] for p in points if p["preemptions"] > 0), None)
+
+
+def sweep_onsets(
+    probe: Callable[[str, int, int], dict],
+    modes: tuple[str, ...],
+    levels: tuple[int, ...],
+    pool: int,
+    advance: Callable[[], None] = lambda: None,
+) -> dict:
+    """Find each mode's preemption onset: the smallest concurrency that preempts in ``pool``.
+
+    ``probe(mode, c, pool)`` runs ``c`` concurrent episodes (a ``_totals`` dict with the engine).
+    After the sweep's ``levels``, the onset is bisected between the last level that did not
+    preempt and the first that did (assuming more episodes never need less KV). It is checked
+    twice: against :func:`predicted_onset` from the largest footprint of an episode that ran
+    without preemption, and directly: the episodes at the onset, run in an unbounded pool, demand
+    more than ``pool`` (``demand_at_onset``), those one below it did not (``demand_below_onset``)."""
+    points: dict[str, list[dict]] = {m: [] for m in modes}
+    for c in levels:
+        for mode, pts in points.items():
+            # two levels past the onset show the drop; beyond, recompute thrash only costs time
+            if sum(p["preemptions"] > 0 for p in pts) < 2:
+                pts.append({"concurrency": c, **probe(mode, c, pool)})
+            advance()
+    onsets = {}
+    for mode, pts in points.items():
+        coarse = _onset(pts)
+        probed, demand_at = [], None
+        if coarse is not None:
+            lo = max((p["concurrency"] for p in pts if p["concurrency"] < coarse), default=0)
+            hi = coarse
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                pts.append({"concurrency": mid, "bisect": True, **probe(mode, mid, pool)})
+                probed.append(mid)
+                lo, hi = (lo, mid) if pts[-1]["preemptions"] else (mid, hi)
+            pts.sort(key=lambda p: p["concurrency"])
+            demand_at = probe(mode, hi, 1 << 30)["peak_pool_demand"]
+        measured = _onset(pts)
+        fit = [p for p in pts if not p["preemptions"]]
+        below = [p["peak_pool_demand"] for p in fit if measured and p["concurrency"] == measured - 1]
+        peak = max((k for p in fit for k in p["peak_kv_per_episode"]), default=None)
+        live = max((p["peak_live_kv"] for p in fit), default=None)
+        onsets[mode] = {
+            "measured": measured,
+            "coarse": coarse,
+            "bisected_at": probed,
+            "peak_kv_per_episode": peak,
+            "peak_live_kv_per_episode": live,
+            "predicted": predicted_onset(pool, peak) if peak else None,
+            "predicted_from_live_kv": predicted_onset(pool, live) if live else None,
+            "demand_below_onset": below[0] if below else None,
+            "demand_at_onset": demand_at,
+        }
+    return {"points": points, "onsets": onsets}
 
 
 def run_modes_bench(
@@ -116,11 +230,12 @@ def run_modes_bench(
     action_tokens: int = 16,
     window: int = 10,
     budget: int = 2400,
-    repeats: int = 1,
+    repeats: int = 3,
     sweep: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
     sweep_rooms: int = 64,
     sweep_filler: int = 8,
     sweep_window: int = 8,
+    pool_episodes: float = 2.5,
     vllm_python: str | None = None,
     plots: Path | None = None,
     progress=None,
@@ -133,50 +248,55 @@ def run_modes_bench(
     make_env = lambda: RoomsEnv(n_rooms=n_rooms, filler=filler, action_tokens=action_tokens)  # noqa: E731
     seeds = list(range(episodes))
     big = 1 << 22
-    steps = (2 + 2 * repeats * len(strategies)) + 2 * len(sweep)
+    arms = [("full", "full")] + [(name, mode) for name in strategies for mode in ("reprefill", "stream")]
+    steps = 1 + repeats * len(arms) + 2 * len(sweep)
     advance = progress(steps) if progress else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(model_dir) if model_dir else write_tiny_model(Path(tmp) / "model", size=size)
-        full = _totals(*_run(folder, make_env, SlidingWindow(), "full", settings, seeds, episodes, big))
-        advance()
-        rows = []
-        for name in strategies:
-            cfg = _strategy(name, window, budget)
-            runs = {"reprefill": [], "stream": []}
-            for _ in range(repeats):  # the two modes take turns, so machine drift hits both alike
-                for mode in runs:
-                    runs[mode].append(
-                        _totals(*_run(folder, make_env, cfg, mode, settings, seeds, episodes, big))
-                    )
-                    advance()
-            med = {m: min(rs, key=lambda r: abs(r["wall_s"] - statistics.median(x["wall_s"] for x in rs)))
-                   for m, rs in runs.items()}  # fmt: skip
-            rows.append({
-                "strategy": name,
-                "params": cfg.model_dump(),
-                "full": full,
-                **med,
-                "wallclock_ratio": med["reprefill"]["wall_s"] / med["stream"]["wall_s"],
-                "wallclock_ratio_vs_full": full["wall_s"] / med["stream"]["wall_s"],
-                "reprefill_matches_cost_model": med["reprefill"]["reprefilled_tokens"]
-                == med["reprefill"]["predicted_reprefilled_tokens"],
-            })  # fmt: skip
-
-        # long episodes with short observations: many turns per KV token, as in long-horizon agents
+        # long episodes with short observations: many turns per KV token, as in long-horizon agents.
+        # One full episode sizes the sweep's pool (and is the process's warm-up run).
         make_long = lambda: RoomsEnv(n_rooms=sweep_rooms, filler=sweep_filler, action_tokens=8)  # noqa: E731
         long = RolloutSettings(max_tokens=8, max_turns=sweep_rooms + 1, ignore_eos=True)
         one = _totals(*_run(folder, make_long, SlidingWindow(), "full", long, [0], 1, big))
-        pool = int(2.5 * one["peak_live_kv"])
-        sweep_rows = {"full": [], "stream": []}
-        window_cfg = SlidingWindow(max_turns=sweep_window, stride=1)
-        for c in sweep:
-            for mode, points in sweep_rows.items():
-                # two levels past the onset show the drop; beyond, recompute thrash only costs time
-                if sum(p["preemptions"] > 0 for p in points) < 2:
-                    wall, results = _run(folder, make_long, window_cfg, mode, long, list(range(c)), c, pool)
-                    points.append({"concurrency": c, **_totals(wall, results)})
+        pool = int(pool_episodes * one["peak_live_kv"])
+        advance()
+
+        cfgs = {name: _strategy(name, window, budget) for name in strategies} | {"full": SlidingWindow()}
+        runs: dict[tuple[str, str], list[dict]] = {arm: [] for arm in arms}
+        for rnd in range(repeats):  # every run once per round, in reverse order every other round
+            for name, mode in arms if rnd % 2 == 0 else arms[::-1]:
+                wall, results, _ = _run(folder, make_env, cfgs[name], mode, settings, seeds, episodes, big)
+                runs[name, mode].append(_totals(wall, results))
                 advance()
-        onsets = {m: _onset(p) for m, p in sweep_rows.items()}
+        full = _summary(runs["full", "full"])
+        rows = []
+        for name in strategies:
+            rp, st = runs[name, "reprefill"], runs[name, "stream"]
+            med = {"reprefill": _summary(rp), "stream": _summary(st)}
+            per_round = [a["wall_s"] / b["wall_s"] for a, b in zip(rp, st, strict=True)]
+            rows.append({
+                "strategy": name,
+                "params": cfgs[name].model_dump(),
+                "full": full,
+                **med,
+                "wallclock_ratio": med["reprefill"]["wall_s"] / med["stream"]["wall_s"],
+                "wallclock_ratio_rounds": per_round,
+                "wallclock_ratio_min": min(per_round),
+                "wallclock_ratio_max": max(per_round),
+                "wallclock_ratio_vs_full": full["wall_s"] / med["stream"]["wall_s"],
+                "reprefill_matches_cost_model": all(
+                    r["reprefilled_tokens"] == r["predicted_reprefilled_tokens"] for r in rp
+                ),
+            })  # fmt: skip
+
+        window_cfg = SlidingWindow(max_turns=sweep_window, stride=1)
+
+        def probe(mode: str, c: int, pool: int) -> dict:
+            return _totals(*_run(folder, make_long, window_cfg, mode, long, list(range(c)), c, pool, True))
+
+        found = sweep_onsets(probe, ("full", "stream"), sweep, pool, advance)
+        onsets = {m: o["measured"] for m, o in found["onsets"].items()}
+        predicted = {m: o["predicted"] for m, o in found["onsets"].items()}
         vllm_error = None
         if vllm_python:
             job = {
@@ -203,16 +323,25 @@ def run_modes_bench(
         "model": model_summary | {"source": str(model_dir) if model_dir else f"tiny qwen3 {size}"},
         "env": {"name": "rooms", "n_rooms": n_rooms, "filler": filler, "action_tokens": action_tokens},
         "episodes": episodes,
+        "repeats": repeats,
         "strategies": rows,
         "concurrency": {
             "pool_tokens": pool,
+            "pool_sizing": f"{pool_episodes} x one full episode's peak KV ({one['peak_live_kv']} tokens)",
+            "pool_full_episodes": pool_episodes,
             "env": {"name": "rooms", "n_rooms": sweep_rooms, "filler": sweep_filler, "action_tokens": 8},
             "full_episode_peak_kv": one["peak_live_kv"],
             "strategy": window_cfg.model_dump(),
-            "full": sweep_rows["full"],
-            "stream": sweep_rows["stream"],
+            "full": found["points"]["full"],
+            "stream": found["points"]["stream"],
+            "onsets": found["onsets"],
             "preemption_onset": onsets,
+            "predicted_onset": predicted,
+            "onsets_match_prediction": onsets == predicted,
             "concurrency_ratio": ratio,
+            "predicted_concurrency_ratio": predicted["stream"] / predicted["full"]
+            if all(predicted.values())
+            else None,
             "concurrency_ratio_is_lower_bound": onsets["full"] is not None and onsets["stream"] is None,
         },
     }
