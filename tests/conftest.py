@@ -14,3 +14,18 @@ def tiny_lm():
 
 
 random_stream = random_eviction_stream
+
+
+def recall_gap_lengths(fmt, variant: str, padded: bool = True) -> set[int]:
+    """Token lengths of the recall task's evictable assignment message over every candidate and
+    start (and none assigned), as the runner renders it after the task message: one length means
+    the gap an eviction leaves in the positions says nothing about the answer."""
+    from compactrl.envs.recall import RecallEnv
+
+    reset = RecallEnv(variant=variant).reset(seed=0)
+    chat = fmt.conversation()
+    chat.message("user", reset.task)
+    texts = reset.observation_variants
+    if padded:
+        texts = [chat.padded("user", t, texts) for t in texts]
+    return {len(chat.message("user", t, record=False)) for t in texts}

@@ -3,7 +3,9 @@
 import copy
 
 import numpy as np
+import pytest
 import torch
+from conftest import recall_gap_lengths
 
 from compactrl.agent.chat import ChatFormat
 from compactrl.envs.count import CountEnv
@@ -25,6 +27,21 @@ def test_demos_are_correct_episodes():
             out = env.step(env.demo_action())
             total, done = total + out.reward, out.done
         assert total == 1.0, env.name
+
+
+@pytest.mark.parametrize("variant", ["fruit", "actor", "tv-zero-support"])
+def test_the_evicted_assignment_has_one_length_for_every_answer(tmp_path, variant):
+    """Closes a side channel: unpadded, one fruit is one token and another two (and the start
+    number 1-3), so the gap the eviction leaves in the positions would carry the answer."""
+    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(write_tiny_model(tmp_path / "m")))
+    assert len(recall_gap_lengths(fmt, variant, padded=False)) > 1  # the channel exists
+    assert len(recall_gap_lengths(fmt, variant)) == 1
+    env = RecallEnv(k=16, variant=variant, prior_demos=0.5)
+    lengths = set()
+    for seed in range(12):  # demonstrations (some without the assignment) pad it the same way
+        t = demo_trace(fmt, env, seed, evict_steps={1: [0]})
+        lengths.add(int((t.evict_at < len(t)).sum()))
+    assert lengths == recall_gap_lengths(fmt, variant)
 
 
 def test_recall_demo_under_eviction_hides_the_assignment(tmp_path):

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import recall_gap_lengths
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -16,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from compactrl.agent.chat import ChatFormat  # noqa: E402
 from compactrl.cli import app  # noqa: E402
 from compactrl.models import load_config, load_model  # noqa: E402
 from compactrl.models.config import RopeConfig  # noqa: E402
@@ -324,3 +326,9 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
 def test_verify_model_on_the_imported_smollm2(smollm2):
     result = verify_model(smollm2[0])
     assert result["ok"] and result["max_abs_logit_diff"] <= 1e-4, result
+
+
+@pytest.mark.parametrize("variant", ["fruit", "actor", "tv-zero-support"])
+def test_recall_assignment_has_one_length_with_the_smollm2_tokenizer(smollm2, variant):
+    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(smollm2[0]))
+    assert len(recall_gap_lengths(fmt, variant)) == 1

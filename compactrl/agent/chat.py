@@ -23,6 +23,7 @@ incrementally; ``rewrites`` says what to do:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from typing import Any, Literal
 from compactrl.models.tokenizer import Tokenizer
 
 REWRITES = ("error", "keep")
+PAD_UNITS = (" .", " ,", " -", "\n", " ~")  # fillers Conversation.padded tries, in order
 _MARK = "\ue000compactrl-content\ue000"  # a private-use marker that locates content inside a render
 
 
@@ -67,6 +69,7 @@ class ChatFormat:
     tokenizer: Tokenizer
     rewrites: Literal["error", "keep"] = "error"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking=False
+    _longest: dict = field(default_factory=dict, compare=False, repr=False)  # memo of Conversation.padded
 
     @classmethod
     def from_tokenizer(
@@ -152,6 +155,24 @@ class Conversation:
         if record:
             self._record(m)
         return self.fmt.tokenizer.encode(added)
+
+    def padded(self, role: str, text: str, variants: Sequence[str]) -> str:
+        """``text`` with a filler appended so that its message has here as many tokens as the
+        longest of ``variants`` (the texts it could have been) would. An evicted message leaves a gap
+        in the positions that a model can read through RoPE; padded, its length says nothing about
+        which variant it was."""
+        key = (tuple((m["role"], m["content"]) for m in self._context()), role, tuple(variants))
+        if key not in self.fmt._longest:
+            self.fmt._longest[key] = max(len(self.message(role, v, record=False)) for v in variants)
+        target = self.fmt._longest[key]
+        for unit in PAD_UNITS:
+            for n in range(target + 1):
+                got = len(self.message(role, text + unit * n, record=False))
+                if got == target:
+                    return text + unit * n
+                if got > target:
+                    break
+        raise ChatTemplateError(f"cannot pad {text!r} to {target} tokens with any of {PAD_UNITS}")
 
     def prompt(self) -> list[int]:
         """The generation prompt (the assistant header) that precedes a generated message."""

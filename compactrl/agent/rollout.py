@@ -266,7 +266,10 @@ class Episode:
                 self._message(HEAD, "system", system)
             self._message(HEAD, "user", reset.task)
             if reset.observation:
-                self._message(self._new_step("step"), "user", reset.observation)
+                obs = reset.observation
+                if reset.observation_variants:
+                    obs = self.chat.padded("user", obs, reset.observation_variants)
+                self._message(self._new_step("step"), "user", obs)
             hint, since = reset.max_tokens, 0
             while True:
                 sid = self._new_step("step")

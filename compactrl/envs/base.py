@@ -25,6 +25,9 @@ class Reset:
     observation: str = ""
     system: str | None = None
     max_tokens: int | None = None  # a hint for the first generation (capped by the run's setting)
+    # every text `observation` could have been: its message is padded to the longest of them in
+    # tokens, so that evicting it leaves a gap whose length does not tell them apart
+    observation_variants: tuple[str, ...] = ()
 
 
 @dataclass

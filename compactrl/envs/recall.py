@@ -16,6 +16,7 @@ names none of them, so the answer has zero support in the visible context after 
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 
@@ -45,6 +46,23 @@ def _rng(seed: int, stream: str) -> random.Random:
     return random.Random(f"recall/{stream}/{seed}")
 
 
+START = range(1, 101)  # the numbers the counting may start from
+
+
+def _observation(kind: str, answer: str | None, start: int) -> str:
+    said = f"Your {kind} is {answer}. " if answer is not None else ""
+    return f"{said}Count upward from {start}."
+
+
+@functools.cache
+def _observations(kind: str, candidates: tuple[str, ...]) -> tuple[str, ...]:
+    """Every assignment message the task can evict (each candidate and start, and none assigned).
+    The runner pads the message to the longest of them in tokens: otherwise the gap the eviction
+    leaves in the positions would tell the candidates apart (one fruit is one token, another two)
+    and a model could answer from RoPE instead of from what the KV carries."""
+    return tuple(_observation(kind, a, n) for a in (*candidates, None) for n in START)
+
+
 class RecallEnv:
     name = "recall"
 
@@ -68,7 +86,7 @@ class RecallEnv:
     def reset(self, seed: int, assigned: bool = True) -> Reset:
         # independent streams: what the model sees (start, order) says nothing about the answer
         self.answer = _rng(seed, "answer").choice(self.candidates)
-        self.start = _rng(seed, "start").randint(1, 100)
+        self.start = _rng(seed, "start").randint(START[0], START[-1])
         self.listed = _rng(seed, "order").sample(self.candidates, len(self.candidates))
         self.leaked = False
         self.phase = 0
@@ -76,9 +94,9 @@ class RecallEnv:
             f"You will be assigned a {self.kind}. Then count upward, numbers separated by spaces. "
             f"Afterwards you will be asked for your {self.kind}; reply exactly 'Recall: <{self.kind}>'."
         )
-        said = f"Your {self.kind} is {self.answer}. " if assigned else ""
-        observation = f"{said}Count upward from {self.start}."
-        return Reset(task=task, observation=observation, system=self.system, max_tokens=self.k)
+        observation = _observation(self.kind, self.answer if assigned else None, self.start)
+        variants = _observations(self.kind, tuple(self.candidates))
+        return Reset(task, observation, self.system, self.k, observation_variants=variants)
 
     def demo_reset(self, seed: int) -> Reset:
         """A demonstration episode: with probability ``prior_demos`` no assignment is shown and the

@@ -49,7 +49,10 @@ def demo_trace(
     add(chat.message("user", reset.task), "user")
     step = 0
     if reset.observation:
-        add(chat.message("user", reset.observation), "user", step=0)
+        obs = reset.observation
+        if reset.observation_variants:  # padded as the rollout runner pads it
+            obs = chat.padded("user", obs, reset.observation_variants)
+        add(chat.message("user", obs), "user", step=0)
     while True:
         step += 1
         action = env.demo_action()
