@@ -116,7 +116,8 @@ RECALL = ["env.name=recall", "env.k=16", "strategy.name=evict_steps", "prompts=2
 def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
     """The recall study's shape: full-context SFT steps on demonstrations, then steps of the
     chosen objective under eviction, one optimizer; held-out accuracy before and after."""
-    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective=sft", "eval_episodes=4"]
+    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective=sft", "eval_episodes=4",
+            "eval_controls=['reprefill']"]  # fmt: skip
     cfg = load_config(TrainConfig, None, args)
     rows = []
     train(cfg, on_step=rows.append)
@@ -127,6 +128,9 @@ def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
         assert summary[f"eval_{when}"]["episodes"] == 4 and summary[f"eval_{when}"]["greedy"]
         assert summary[f"recall_accuracy_{when}"] == summary[f"eval_{when}"]["success_rate"]
     assert summary["last_step"]["step"] == 5 and summary["cpu_s"] > 0
+    control = summary["eval_after_reprefill"]  # the same checkpoint and episodes, re-prefilled
+    assert control["mode"] == "reprefill" and summary["eval_after"]["mode"] == "stream"
+    assert control["episodes"] == 4 and "eval_before_reprefill" not in summary
     with pytest.raises(ConfigError, match="evict_steps"):
         load_config(TrainConfig, None, [*args, "strategy.name=sliding_window"])  # demos can't replay it
 

@@ -119,6 +119,12 @@ class TrainConfig(BaseModel):
     )
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every this many steps, and at the last")
     eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
+    eval_controls: list[Literal["full", "reprefill", "stream"]] = Field(
+        [],
+        description="also evaluate the final policy on the same held-out episodes in these modes, as "
+        "controls (summary.json: eval_after_<mode>); e.g. reprefill re-reads the kept context "
+        "without the evicted tokens' KV",
+    )
     seed: int = Field(
         0,
         description="offset of every step's env seeds (a step's data depends only on it and the step); "
@@ -375,6 +381,9 @@ def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> None:
     summary[f"eval_{when}"] = stats
     if cfg.env.name == "recall":
         summary[f"recall_accuracy_{when}"] = stats["success_rate"]
+    for mode in cfg.eval_controls if when == "after" else ():  # the same policy and episodes, another mode
+        stats, _ = _held_out(cfg.model_copy(update={"mode": mode}), engine, cfg.eval_episodes, greedy=True)
+        summary[f"eval_after_{mode}"] = stats
     (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -467,6 +476,7 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
     rewards = np.array([r.reward for r in results])
     stats = {
         "episodes": episodes,
+        "mode": cfg.mode,
         "greedy": greedy,
         "mean_reward": float(rewards.mean()),
         "success_rate": float((rewards >= 1.0).mean()),
