@@ -9,7 +9,7 @@ from conftest import recall_gap_lengths
 
 from compactrl.agent.chat import ChatFormat
 from compactrl.envs.count import CountEnv
-from compactrl.envs.recall import RecallEnv
+from compactrl.envs.recall import VARIANTS, RecallEnv
 from compactrl.envs.rooms import RoomsEnv
 from compactrl.models.loading import load_model
 from compactrl.models.tiny import write_tiny_model
@@ -29,7 +29,7 @@ def test_demos_are_correct_episodes():
         assert total == 1.0, env.name
 
 
-@pytest.mark.parametrize("variant", ["fruit", "actor", "tv-zero-support"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_evicted_assignment_has_one_length_for_every_answer(tmp_path, variant):
     """Closes a side channel: unpadded, one fruit is one token and another two (and the start
     number 1-3), so the gap the eviction leaves in the positions would carry the answer."""

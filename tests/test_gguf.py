@@ -19,6 +19,7 @@ pytest.importorskip("accelerate")
 
 from compactrl.agent.chat import ChatFormat  # noqa: E402
 from compactrl.cli import app  # noqa: E402
+from compactrl.envs.recall import VARIANTS  # noqa: E402
 from compactrl.models import load_config, load_model  # noqa: E402
 from compactrl.models.config import RopeConfig  # noqa: E402
 from compactrl.models.gguf import (  # noqa: E402
@@ -328,7 +329,7 @@ def test_verify_model_on_the_imported_smollm2(smollm2):
     assert result["ok"] and result["max_abs_logit_diff"] <= 1e-4, result
 
 
-@pytest.mark.parametrize("variant", ["fruit", "actor", "tv-zero-support"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_recall_assignment_has_one_length_with_the_smollm2_tokenizer(smollm2, variant):
     fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(smollm2[0]))
     assert len(recall_gap_lengths(fmt, variant)) == 1

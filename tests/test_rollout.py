@@ -16,7 +16,7 @@ from compactrl.compaction import EvictSteps, Markovian, PickTurns, SlidingWindow
 from compactrl.config import ConfigError, load_config
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import Reset, Step
-from compactrl.envs.recall import RecallEnv
+from compactrl.envs.recall import VARIANTS, RecallEnv
 from compactrl.envs.rooms import RoomsEnv
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
@@ -150,6 +150,29 @@ def test_recall_lists_candidates_in_a_drawn_order_and_prior_demos_hide_the_assig
     assert all(RecallEnv(k=16).demo_reset(seed).observation.startswith("Your fruit") for seed in range(50))
     prior.demo_reset(next(s for s in range(400) if "Your fruit" not in shown[s]))
     assert prior.answer in prior.candidates  # the demonstrated answer: a uniformly drawn candidate
+
+
+def test_recall_variants_follow_the_papers_definitions():
+    seen = {}
+    for variant in VARIANTS:
+        env = RecallEnv(k=16, variant=variant)
+        answers, listed = set(), set()
+        for seed in range(60):
+            env.reset(seed)
+            question = env.step("1 2 3").observation
+            answers.add(env.answer)
+            listed |= {c for c in env.candidates if c in question}
+        seen[variant] = (answers, listed, question)
+    assert seen["fruit"][0] == {"apple", "banana", "mango", "orange", "pineapple"} == seen["fruit"][1]
+    # zero support: six objects are assigned, the question lists only the five fruits
+    assert seen["zero-support"][0] == seen["fruit"][0] | {"television"}
+    assert seen["zero-support"][1] == seen["fruit"][0]
+    assert seen["prompt-generalisation"][2].startswith(
+        "What is your favourite object? Choose from these five"
+    )
+    assert seen["actor"][1] == seen["actor"][0] and "Kevin Bacon" in seen["actor"][0]
+    assert seen["actor-unlisted"][1] == set() == seen["tv-shows-unlisted"][1]  # nothing listed
+    assert RecallEnv(variant="actor").reset(0).task.startswith("You will be assigned an actor.")
 
 
 def test_rooms_asks_for_an_early_code():

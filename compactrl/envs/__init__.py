@@ -36,10 +36,11 @@ def _no_system(why: str, suggested: str):
 class RecallConfig(_Config):
     name: Literal["recall"] = "recall"
     k: int = Field(64, ge=16, le=512, description="integer tokens decoded between assignment and question")
-    variant: Literal[VARIANTS] = Field(  # type: ignore[valid-type]
+    variant: Literal[tuple(VARIANTS)] = Field(  # type: ignore[valid-type]
         "fruit",
-        description="the candidates: fruit or actor (the question lists them), tv-zero-support (the "
-        "question names none, so the answer has no support in the context after the eviction)",
+        description="the candidates and question (the paper's appendix D): fruit; prompt-generalisation "
+        "(the paper's other question); zero-support (five fruits and television, only the fruits listed); "
+        "actor, actor-unlisted; tv-shows-unlisted (five TV shows, none listed)",
     )
     answer_tokens: int = Field(16, ge=1, description="max tokens of the answer to the question")
     prior_demos: float = Field(

@@ -9,9 +9,13 @@ leaked into the decoded integers (a leak would let the model copy the answer).
 The question lists the candidates in an order drawn per episode, so no fixed position is a
 better guess than another and a model without the assignment is at chance on every assignment.
 
-Variants (our reading of the paper's names): ``fruit`` (the question lists the five fruits),
-``actor`` (five actor names, listed) and ``tv-zero-support`` (five TV shows, and the question
-names none of them, so the answer has zero support in the visible context after the eviction).
+Variants follow the paper's appendix D: ``fruit`` (apple, banana, mango, orange, pineapple, listed
+in the question); ``prompt-generalisation`` (the same, asked with the paper's other question, an
+evaluation of fruit checkpoints); ``zero-support`` (six objects: the five fruits and television,
+while the question lists only the fruits, so a television answer is never listed); ``actor`` and
+``actor-unlisted`` (five actor names with and without the list, evaluations of fruit checkpoints);
+``tv-shows-unlisted`` (five TV shows, none listed: what this package first called
+``tv-zero-support``).
 """
 
 from __future__ import annotations
@@ -19,18 +23,38 @@ from __future__ import annotations
 import functools
 import random
 import re
+from dataclasses import dataclass
 
 from compactrl.envs.base import Reset, Step
 
-CANDIDATES = {
-    "fruit": ("fruit", ["apple", "banana", "cherry", "grape", "mango"]),
-    "actor": (
-        "actor",
-        ["Tom Hanks", "Meryl Streep", "Denzel Washington", "Cate Blanchett", "Morgan Freeman"],
+FRUITS = ("apple", "banana", "mango", "orange", "pineapple")
+ACTORS = ("Kathryn Erbe", "Kevin Bacon", "Naomi Watts", "Nicole Kidman", "Toni Collette")
+LISTED = "Which {kind} were you assigned: {options}?"
+UNLISTED = "Which {kind} were you assigned?"
+PAPER_QUESTION = (
+    "What is your favourite object? Choose from these five options: {options}. Respond with exactly "
+    "'Recall: <object>', replacing <object> with one option. Do not explain."
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    kind: str  # what is assigned, in the task's words
+    answers: tuple[str, ...]  # what can be assigned
+    listed: tuple[str, ...]  # what the question lists (in an order drawn per episode)
+    question: str  # with {kind} and {options}
+
+
+VARIANTS = {
+    "fruit": Variant("fruit", FRUITS, FRUITS, LISTED),
+    "prompt-generalisation": Variant("fruit", FRUITS, FRUITS, PAPER_QUESTION),
+    "zero-support": Variant("object", (*FRUITS, "television"), FRUITS, LISTED),
+    "actor": Variant("actor", ACTORS, ACTORS, LISTED),
+    "actor-unlisted": Variant("actor", ACTORS, (), UNLISTED),
+    "tv-shows-unlisted": Variant(
+        "TV show", ("Seinfeld", "Friends", "Lost", "Frasier", "Dexter"), (), UNLISTED
     ),
-    "tv-zero-support": ("TV show", ["Seinfeld", "Friends", "Lost", "Frasier", "Dexter"]),
 }
-VARIANTS = tuple(CANDIDATES)
 _ANSWER = re.compile(r"^\s*Recall:\s*(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 # No system message by default: the recall study trains tiny models from scratch on these exact
 # streams, and the task message already gives the answer's form. For an instruct model, e.g. this:
@@ -47,6 +71,10 @@ def _rng(seed: int, stream: str) -> random.Random:
 
 
 START = range(1, 101)  # the numbers the counting may start from
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _observation(kind: str, answer: str | None, start: int) -> str:
@@ -74,12 +102,13 @@ class RecallEnv:
         prior_demos: float = 0,
         system: str | None = None,
     ):
-        if variant not in CANDIDATES:
+        if variant not in VARIANTS:
             raise ValueError(f"recall variant {variant!r} unknown; choose one of {list(VARIANTS)}")
         if not 16 <= k <= 512:
             raise ValueError(f"recall k must be in [16, 512] decoded tokens, got {k}")
         self.k, self.variant, self.answer_tokens, self.prior_demos = k, variant, answer_tokens, prior_demos
-        self.kind, self.candidates = CANDIDATES[variant]
+        self.spec = VARIANTS[variant]
+        self.kind, self.candidates = self.spec.kind, self.spec.answers
         self.system = system or None  # "" (what a TOML file can say): no system message
         self.answer: str | None = None
 
@@ -87,15 +116,15 @@ class RecallEnv:
         # independent streams: what the model sees (start, order) says nothing about the answer
         self.answer = _rng(seed, "answer").choice(self.candidates)
         self.start = _rng(seed, "start").randint(START[0], START[-1])
-        self.listed = _rng(seed, "order").sample(self.candidates, len(self.candidates))
+        self.listed = _rng(seed, "order").sample(self.spec.listed, len(self.spec.listed))
         self.leaked = False
         self.phase = 0
         task = (
-            f"You will be assigned a {self.kind}. Then count upward, numbers separated by spaces. "
+            f"You will be assigned {_a(self.kind)}. Then count upward, numbers separated by spaces. "
             f"Afterwards you will be asked for your {self.kind}; reply exactly 'Recall: <{self.kind}>'."
         )
         observation = _observation(self.kind, self.answer if assigned else None, self.start)
-        variants = _observations(self.kind, tuple(self.candidates))
+        variants = _observations(self.kind, self.candidates)
         return Reset(task, observation, self.system, self.k, observation_variants=variants)
 
     def demo_reset(self, seed: int) -> Reset:
@@ -109,10 +138,7 @@ class RecallEnv:
         self.phase += 1
         if self.phase == 1:  # the counting; the assignment is evicted before the question is fed
             self.leaked = any(c.lower() in action.lower() for c in self.candidates)
-            if self.variant == "tv-zero-support":
-                question = f"Which {self.kind} were you assigned?"
-            else:
-                question = f"Which {self.kind} were you assigned: {', '.join(self.listed)}?"
+            question = self.spec.question.format(kind=self.kind, options=", ".join(self.listed))
             return Step(question, max_tokens=self.answer_tokens, info={"leaked": self.leaked})
         m = _ANSWER.match(action)
         said = m.group(1) if m else None
