@@ -1,6 +1,8 @@
 """Environments and compaction plans on their own, and TextWorld end to end (offline)."""
 
 import asyncio
+import json
+import math
 
 import pytest
 
@@ -24,6 +26,9 @@ from compactrl.envs import (
 from compactrl.envs import textworld_env as tw_env
 from compactrl.envs.textworld_env import TextWorldEnv, game_command, game_path, match_command
 from compactrl.models.tiny import write_tiny_model
+from compactrl.models.tokenizer import Tokenizer
+from compactrl.rl.demos import demo_trace
+from compactrl.rl.loop import TrainConfig, train
 
 pytest.importorskip("textworld")
 
@@ -127,6 +132,92 @@ def test_system_prompt_per_env_config(tmp_path):
     assert env.reset(seed=3).system is None
     over = load_config(RolloutConfig, None, ["env.name=count", "env.system=Reply with digits."])
     assert make_env(over.env).reset(seed=0).system == "Reply with digits."
+
+
+@pytest.fixture(scope="module")
+def games(tmp_path_factory):
+    """One game cache for the demonstration tests: each game is compiled once (about a second)."""
+    return tmp_path_factory.mktemp("games")
+
+
+def play_demo(env, seed):
+    """Follows demo_action from demo_reset to the end; the commands played and the final step."""
+    env.demo_reset(seed)
+    played, out = [], None
+    while out is None or not out.done:
+        action = env.demo_action()
+        assert action in env.admissible and game_command(action) == action  # played as written
+        assert match_command(action, env.admissible) == action  # and as the reply parser reads it
+        out = env.step(action)
+        played.append(action)
+        assert len(played) <= 50
+    return played, out
+
+
+@pytest.mark.parametrize(
+    "challenge,settings",
+    [("treasure_hunter", {"level": 2}), ("treasure_hunter", {"level": 12}), ("coin_collector", {"level": 5})],
+)
+def test_textworld_demo_actions_win_the_game(games, challenge, settings):
+    for matching in (False, True):
+        env = TextWorldEnv(challenge, settings, cache_dir=games, match_commands=matching)
+        for seed in range(2):
+            played, out = play_demo(env, seed)
+            assert out.info["won"] and out.info["score"] == out.info["max_score"] > 0, (seed, played)
+            with pytest.raises(RuntimeError, match="game is over"):
+                env.demo_action()
+        env.close()
+
+
+def test_textworld_demo_action_replans_after_a_deviation_and_needs_demo_reset(games):
+    env = TextWorldEnv("coin_collector", {"level": 5}, cache_dir=games)
+    env.reset(seed=1)
+    with pytest.raises(RuntimeError, match="demo_reset"):
+        env.demo_action()  # a plain reset does not track the solution (it slows every step)
+    solution, _ = play_demo(env, 1)
+    env.demo_reset(seed=1)
+    env.step(env.demo_action())  # the first room of a coin-collector chain has one exit
+    wrong = next(c for c in env.admissible if c.startswith("go ") and c != env.demo_action())
+    env.step(wrong)
+    played, out = [], None
+    while out is None or not out.done:
+        played.append(env.demo_action())
+        out = env.step(played[-1])
+    assert out.info["won"] and out.info["score"] == 1
+    assert len(played) == len(solution)  # one step back, then the rest of the solution
+    assert played[1:] == solution[1:]
+    env.close()
+
+
+def test_textworld_demo_trace_trains_on_the_walkthrough(games, tmp_path):
+    fmt = ChatFormat.from_tokenizer(Tokenizer.from_dir(write_tiny_model(tmp_path / "m")))
+    env = TextWorldEnv("coin_collector", {"level": 5}, cache_dir=games)
+    for seed in range(2):
+        solution, _ = play_demo(env, seed)
+        assert len(solution) >= 3
+        t = demo_trace(fmt, env, seed)
+        assert t.num_evicted == 0 and t.meta["demo"]
+        assert fmt.tokenizer.decode(t.tokens[t.trainable].tolist()) == "".join(
+            f"{c}<|im_end|>" for c in solution
+        )
+        text = fmt.tokenizer.decode(t.tokens.tolist())
+        assert tw_env.SYSTEM in text and "Admissible commands:" in text
+        for turn in set(t.turn[t.trainable].tolist()):  # each command is one assistant turn
+            assert fmt.tokenizer.decode(t.tokens[t.trainable & (t.turn == turn)].tolist()) in {
+                f"{c}<|im_end|>" for c in solution
+            }
+    env.close()
+
+
+def test_textworld_sft_warm_up_runs(games, tmp_path):
+    overrides = [f"out={tmp_path / 'run'}", "steps=2", "sft_steps=2", "prompts=1", "group_size=1",
+                 "eval_episodes=0", "rollout.max_turns=6", f"env.cache_dir={games}"]  # fmt: skip
+    cfg = load_config(TrainConfig, "configs/textworld/sliding_window_stream.toml", overrides)
+    last = train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    sft = [x for x in lines if x.get("phase") == "sft"]
+    assert [x["step"] for x in sft] == [1, 2] and last["phase"] == "sft"
+    assert all(math.isfinite(x["loss"]) and x["trained_tokens"] > 0 for x in sft)
 
 
 class Broken:

@@ -7,6 +7,11 @@ is the game's feedback followed by the admissible commands; the reward is the sc
 the step (intermediate rewards), and the episode ends when the game is won or lost. The system
 message (``SYSTEM``, or ``SYSTEM_UNLISTED`` when the commands are not listed) tells an instruct
 model to answer with one command and nothing else.
+
+Demonstrations (``sft_steps``): ``demo_reset`` starts the game with TextWorld's ``policy_commands``
+tracked, and ``demo_action`` is then the first command of the game's own solution from the
+current state, re-planned after every step (so it still wins after a deviation). Plain ``reset``
+does not track it: the re-planning makes every step of a large game several times slower.
 """
 
 from __future__ import annotations
@@ -145,6 +150,7 @@ class TextWorldEnv:
             system = SYSTEM_UNLISTED  # the default wording must not promise a list it does not show
         self.system = system or None  # "" (what a TOML file can say): no system message
         self.env = None
+        self._demos, self._policy, self._finished = False, [], False
 
     def _observe(self, gs) -> str:
         self.admissible = list(gs.admissible_commands or [])
@@ -155,16 +161,18 @@ class TextWorldEnv:
             text += f"\nAdmissible commands: {listed}\nWhich command do you choose?"
         return text
 
-    def reset(self, seed: int) -> Reset:
+    def reset(self, seed: int, demos: bool = False) -> Reset:
         tw = _textworld()
         path = make_game(self.cache_dir, self.challenge, self.settings, seed)
         self.close()
-        infos = tw.EnvInfos(admissible_commands=True, objective=True, score=True,
-                            max_score=True, won=True, lost=True)  # fmt: skip
+        infos = tw.EnvInfos(admissible_commands=True, objective=True, score=True, max_score=True,
+                            won=True, lost=True, policy_commands=demos)  # fmt: skip
         with _GENERATING, _quiet():  # loading a game parses its logic with the same parser
             self.env = tw.start(str(path), request_infos=infos)
             gs = self.env.reset()
         self.score = gs.score
+        self._demos = demos
+        self._remember(gs)
         room = gs.feedback.find("-= ")  # the intro is a banner, the objective, then the first room
         gs.feedback = gs.feedback[room:] if room >= 0 else gs.feedback
         return Reset(task=gs.objective.strip(), observation=self._observe(gs), system=self.system)
@@ -176,10 +184,31 @@ class TextWorldEnv:
         if self.match_commands and command not in self.admissible:
             command = match_command(action, self.admissible) or command
         gs, _, done = self.env.step(command)
+        self._remember(gs)
         reward, self.score = gs.score - self.score, gs.score
         info = {"score": gs.score, "max_score": gs.max_score, "won": bool(gs.won), "lost": bool(gs.lost),
                 "command": command}  # fmt: skip
         return Step(self._observe(gs), reward=float(reward), done=bool(done), info=info)
+
+    def _remember(self, gs) -> None:
+        self._policy = list(gs.get("policy_commands") or []) if self._demos else []
+        self._finished = bool(gs.won or gs.lost)
+
+    def demo_reset(self, seed: int) -> Reset:
+        """``reset``, with the game's solution tracked for ``demo_action``."""
+        return self.reset(seed, demos=True)
+
+    def demo_action(self) -> str:
+        """The next command of the game's own solution from the current state (TextWorld's
+        ``policy_commands``: the winning commands left, from its quest tracking, updated each step).
+        It is an admissible command, played as written."""
+        if self.env is None or not self._demos:
+            raise RuntimeError("demo_action() needs the game started with demo_reset(seed)")
+        if self._finished:
+            raise RuntimeError("the game is over: no command left to demonstrate")
+        if not self._policy:
+            raise RuntimeError(f"TextWorld knows no winning command from here ({self.challenge})")
+        return self._policy[0]
 
     def close(self) -> None:
         if self.env is not None:
