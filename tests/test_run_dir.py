@@ -133,6 +133,11 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path):
     assert [r["reward"] for r in resumed] == [r["reward"] for r in straight[2:]]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["wall_s"] > summary["wall_s_this_part"] > 0  # the total counts both parts
+    assert (
+        summary["cpu_s"]
+        > json.loads((stop.value.checkpoint / "trainer_state.json").read_text())["state"]["cpu_s"]
+        > 0
+    )
 
     def twice(m):
         if m["step"] == 1:

@@ -314,6 +314,7 @@ def train(
     start = loaded["step"]
     data_position = loaded["state"].get("data_position", start)  # the last batch of env seeds trained on
     earlier_wall = loaded["state"].get("wall_s", 0.0)  # the run's time up to that checkpoint
+    earlier_cpu = loaded["state"].get("cpu_s", 0.0)
     if start > cfg.steps:
         raise RunDirError(
             f"steps = {cfg.steps} but the run's checkpoint is at step {start}: resume with steps >= {start}"
@@ -329,7 +330,8 @@ def train(
     sampler = None
 
     def checkpoint(step: int) -> Path:
-        state = {"data_position": data_position, "wall_s": earlier_wall + time.perf_counter() - clock[0]}
+        state = {"data_position": data_position, "wall_s": earlier_wall + time.perf_counter() - clock[0],
+                 "cpu_s": earlier_cpu + time.process_time() - clock[1]}  # fmt: skip
         return save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules, tokenizer_dir=source)
 
     try:
@@ -368,7 +370,7 @@ def train(
     part = time.perf_counter() - clock[0]
     summary["wall_s"] = earlier_wall + part  # the whole run, all resumed parts (to the last checkpoint)
     summary["wall_s_this_part"] = part
-    summary["cpu_s"] = summary.get("cpu_s", 0.0) + time.process_time() - clock[1]
+    summary["cpu_s"] = earlier_cpu + time.process_time() - clock[1]  # likewise
     summary["last_step"] = last
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return last
