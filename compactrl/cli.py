@@ -200,6 +200,9 @@ def eval_cmd(
     ] = None,
     episodes: Annotated[int, typer.Option(help="Held-out episodes (seeds disjoint from training).")] = 32,
     greedy: Annotated[bool, typer.Option("--greedy", help="Decode greedily instead of sampling.")] = False,
+    name: Annotated[
+        str | None, typer.Option(help="Name this evaluation (e.g. another env variant): its own result file.")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Evaluate a policy on held-out episodes without training; one result file per checkpoint."""
@@ -208,10 +211,12 @@ def eval_cmd(
     cfg = load_run_config(TrainConfig, config, overrides)
     if episodes < 1:
         fail("--episodes must be >= 1")
+    if name is not None and not name.replace("-", "").replace("_", "").isalnum():
+        fail(f"--name {name!r}: use letters, digits, - and _ (it names a file)")
     if checkpoint is not None and not checkpoint.exists():
         fail(f"--checkpoint {checkpoint} does not exist")
     try:
-        result = evaluate(cfg, checkpoint, episodes, greedy)
+        result = evaluate(cfg, checkpoint, episodes, greedy, name)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     except OSError as e:
@@ -907,6 +912,28 @@ def config_reference_cmd(
         except OSError as e:
             fail(f"cannot write {output}: {e.strerror or e}")
         out.print(f"wrote {output}")
+
+
+@app.command("study")
+def study_cmd(
+    config: Annotated[Path, typer.Argument(help="A study config (TOML): [[run]] grids and [[eval]]s.")],
+    only: Annotated[list[str] | None, typer.Option(help="Only this run (repeatable).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Train a grid of runs (resumably, several at once) and evaluate each several ways; one JSON of rows."""
+    from compactrl.config import ConfigError
+    from compactrl.study import run_study
+
+    if not config.is_file():
+        fail(f"study config {config} does not exist")
+    try:
+        rows = run_study(config, only, echo=(lambda m: None) if as_json else out.print)
+    except (ConfigError, RuntimeError, ValueError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(os_error(e))
+    if as_json:
+        emit_json({"rows": rows})
 
 
 if __name__ == "__main__":

@@ -488,11 +488,16 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
 
 
 def evaluate(
-    cfg: TrainConfig, checkpoint: str | Path | None = None, episodes: int = 32, greedy: bool = False
+    cfg: TrainConfig,
+    checkpoint: str | Path | None = None,
+    episodes: int = 32,
+    greedy: bool = False,
+    name: str | None = None,
 ) -> dict:
     """Run ``episodes`` held-out episodes (env seeds disjoint from training's) with the run's initial
     model, a checkpoint's, or a run folder's newest checkpoint, without training. Each checkpoint
-    (and decoding) keeps its own result: ``run_dir/eval/<checkpoint>[-greedy].json``."""
+    (and decoding, and ``name`` when given: another env variant or mode) keeps its own result:
+    ``run_dir/eval/<checkpoint>[-greedy][-<name>].json``."""
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out)
     ckpt = None
@@ -506,7 +511,8 @@ def evaluate(
     engine = load_engine(cfg.model, cfg.engine, run_dir, ckpt / "model" if ckpt else None)
     stats, results = _held_out(cfg, engine, episodes, greedy)
     result = {"checkpoint": str(ckpt) if ckpt else None, **stats}
-    path = run_dir / "eval" / f"{ckpt.name if ckpt else 'initial'}{'-greedy' if greedy else ''}.json"
+    label = f"{ckpt.name if ckpt else 'initial'}{'-greedy' if greedy else ''}{f'-{name}' if name else ''}"
+    path = run_dir / "eval" / f"{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result | {"episode_metrics": [r.metrics() for r in results]}, indent=1) + "\n")
     return result | {"path": str(path)}

@@ -1,0 +1,204 @@
+"""A study: a grid of training runs, each evaluated several ways, as one config and one command.
+
+``compactrl study configs/recall/grid.toml`` expands each ``[[run]]`` (a train config, ``--set``
+overrides, and a grid of values: the cartesian product) into named runs, trains them (``parallel``
+at a time, each its own process with its own threads), then evaluates every run's final checkpoint
+with each ``[[eval]]`` (overrides such as another env variant or mode, on held-out episodes) and
+writes one row per run and eval to ``results``. It resumes: a finished run is not trained again, a
+run with a checkpoint continues from it (``--resume``), and an evaluation already in the run's
+``eval/`` folder is read back, so a killed study loses at most the steps since each checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compactrl.config import ConfigError, load_config
+from compactrl.rl.checkpoint import resolve_checkpoint
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: str = Field(description="a train config (TOML)")
+    name: str = Field(description="the run's folder name; {field} is replaced by that grid value")
+    set: list[str] = Field([], description="--set overrides for every run of this block")
+    grid: dict[str, list] = Field({}, description="field -> values; one run per combination")
+
+
+class EvalSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    set: list[str] = Field([], description="--set overrides of the run's config for this evaluation")
+    episodes: int = Field(128, ge=1)
+    greedy: bool = True
+
+
+class StudyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    out: str = Field(description="the runs' folders go under this folder")
+    results: str = Field(description="JSON file of the rows (one per run and eval)")
+    parallel: int = Field(1, ge=1, description="runs trained at once (one thread each by default)")
+    columns: dict[str, str] = Field({}, description="row column -> dotted config field, e.g. k = 'env.k'")
+    run: list[RunSpec] = Field(min_length=1)
+    eval: list[EvalSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self):
+        names = [e.name for e in self.eval]
+        if len(set(names)) < len(names):
+            raise ValueError(f"eval names must be unique, got {names}")
+        return self
+
+
+def _field(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def expand(study: StudyConfig) -> list[tuple[str, str, list[str]]]:
+    """``(name, config path, overrides)`` per run; every run's config is validated here, before any
+    training starts, and names must be unique."""
+    runs = []
+    for spec in study.run:
+        keys = list(spec.grid)
+        for values in itertools.product(*(spec.grid[k] for k in keys)) if keys else [()]:
+            point = dict(zip(keys, values, strict=True))
+            name = spec.name.format_map({k.replace(".", "_"): v for k, v in point.items()})
+            sets = [*spec.set, *(f"{k}={json.dumps(v)}" for k, v in point.items())]
+            sets.append(f"out={Path(study.out) / name}")
+            runs.append((name, spec.config, sets))
+    names = [r[0] for r in runs]
+    if len(set(names)) < len(names):
+        raise ConfigError(
+            f"run names repeat ({names}): put each grid field in the name, e.g. 'rl_k{{env_k}}'"
+        )
+    for name, config, sets in runs:
+        from compactrl.rl.loop import TrainConfig
+
+        try:
+            load_config(TrainConfig, config, sets)
+        except ConfigError as e:
+            raise ConfigError(f"run {name}: {e}") from e
+        for ev in study.eval:
+            try:
+                load_config(TrainConfig, config, [*sets, *ev.set])
+            except ConfigError as e:
+                raise ConfigError(f"run {name}, eval {ev.name}: {e}") from e
+    return runs
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("last_step", {}).get("step") == steps
+
+
+def _train(name: str, config: str, sets: list[str], steps: int, log: Path) -> int:
+    run_dir = Path(sets[-1].partition("=")[2])
+    if _finished(run_dir, steps):
+        return 0
+    resume = ["--resume"] if (run_dir / "config.json").is_file() else []
+    cmd = [
+        sys.executable,
+        "-m",
+        "compactrl.cli",
+        "train",
+        config,
+        *(x for s in sets for x in ("--set", s)),
+        *resume,
+    ]
+    with open(log, "a") as f:
+        f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        f.flush()
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def _stderr(stats: dict) -> float:
+    """Standard error of the mean reward over the evaluation's episodes (from their rewards)."""
+    rewards = [e["reward"] for e in stats["episode_metrics"]]
+    if len(rewards) < 2:
+        return math.nan
+    mean = sum(rewards) / len(rewards)
+    return math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) / len(rewards))
+
+
+def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec) -> dict:
+    from compactrl.rl.loop import TrainConfig, evaluate
+
+    cfg = load_config(TrainConfig, config, [*sets, *ev.set])
+    run_dir = Path(cfg.out)
+    done = sorted((run_dir / "eval").glob(f"*-study-{ev.name}.json"))
+    newest = resolve_checkpoint(run_dir).name
+    if done and done[-1].name.startswith(newest):  # evaluated before on this checkpoint
+        stats = json.loads(done[-1].read_text())
+    else:
+        result = evaluate(cfg, run_dir, ev.episodes, ev.greedy, name=f"study-{ev.name}")
+        stats = json.loads(Path(result["path"]).read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    data = json.loads(cfg.model_dump_json())
+    row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
+    row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
+            "episodes": stats["episodes"], "errors": stats["errors"], "checkpoint": stats["checkpoint"],
+            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), "seeds": 1, "seed": cfg.seed,
+            "steps": cfg.steps, "config": config, "set": sets[:-1] + ev.set}  # fmt: skip
+    return row
+
+
+def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> list[dict]:
+    """Train what is not trained yet, evaluate, and write the rows to ``results``."""
+    try:
+        study = StudyConfig.model_validate(tomllib.loads(Path(path).read_text()))
+    except (OSError, tomllib.TOMLDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    runs = [r for r in expand(study) if not only or r[0] in only]
+    if only and len(runs) < len(set(only)):
+        raise ConfigError(f"--only {sorted(set(only) - {r[0] for r in runs})}: no such run in {path}")
+    from compactrl.rl.loop import TrainConfig
+
+    Path(study.out).mkdir(parents=True, exist_ok=True)
+
+    def one(run):
+        name, config, sets = run
+        steps = load_config(TrainConfig, config, sets).steps
+        echo(f"{name}: training")
+        rc = _train(name, config, sets, steps, Path(study.out) / f"{name}.log")
+        echo(f"{name}: " + ("trained" if rc == 0 else f"failed (exit {rc}); see {study.out}/{name}.log"))
+        return rc
+
+    with ThreadPoolExecutor(study.parallel) as pool:
+        codes = list(pool.map(one, runs))
+    rows = []
+    for (name, config, sets), rc in zip(runs, codes, strict=True):
+        if rc != 0:
+            continue
+        for ev in study.eval:
+            rows.append(_evaluate(study, name, config, sets, ev))
+            echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
+    results = Path(study.results)
+    kept = []
+    if only and results.is_file():  # a partial study updates its rows, keeps the others
+        kept = [r for r in json.loads(results.read_text())["rows"] if r["run"] not in only]
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"study": str(path), "rows": kept + rows}, indent=1) + "\n")
+    failed = [r[0] for r, rc in zip(runs, codes, strict=True) if rc != 0]
+    if failed:
+        raise RuntimeError(
+            f"runs {failed} failed; their logs are in {study.out}/; rerun the study to resume them"
+        )
+    return rows

@@ -1,0 +1,73 @@
+"""A study trains a grid of runs (two at once), evaluates each several ways, and resumes."""
+
+import json
+
+import pytest
+
+from compactrl.config import ConfigError
+from compactrl.study import run_study
+
+STUDY = """
+out = "{out}/runs"
+results = "{out}/results.json"
+parallel = 2
+columns = {{ seed = "seed", steps = "steps" }}
+
+[[run]]
+config = "configs/quickstart.toml"
+name = "q_seed{{seed}}"
+set = ["steps=2", "prompts=2", "group_size=2", "checkpoint_every=1"]
+grid = {{ seed = [0, 1] }}
+
+[[eval]]
+name = "in-distribution"
+episodes = 3
+
+[[eval]]
+name = "reprefill"
+set = ["mode=reprefill"]
+episodes = 3
+"""
+
+
+def test_a_study_trains_its_grid_evaluates_and_resumes(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text(STUDY.format(out=tmp_path))
+    rows = run_study(path, echo=lambda m: None)
+    assert [(r["run"], r["eval"]) for r in rows] == [
+        ("q_seed0", "in-distribution"), ("q_seed0", "reprefill"),
+        ("q_seed1", "in-distribution"), ("q_seed1", "reprefill"),
+    ]  # fmt: skip
+    assert [r["seed"] for r in rows] == [0, 0, 1, 1] and all(r["steps"] == 2 for r in rows)
+    assert all(r["episodes"] == 3 and r["checkpoint"].endswith("step_00000002") for r in rows)
+    assert rows[0]["cpu_s"] > 0 and rows[0]["stderr"] >= 0
+    saved = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert saved == json.loads(json.dumps(rows))
+    # run again: nothing is trained or evaluated twice (the logs and eval files stay as they were)
+    log = (tmp_path / "runs" / "q_seed0.log").read_text()
+    evals = sorted(p.name for p in (tmp_path / "runs" / "q_seed0" / "eval").iterdir())
+    assert run_study(path, echo=lambda m: None) == rows
+    assert (tmp_path / "runs" / "q_seed0.log").read_text() == log
+    assert sorted(p.name for p in (tmp_path / "runs" / "q_seed0" / "eval").iterdir()) == evals
+    # more steps for one run: it resumes from its checkpoint; the other run's rows are kept
+    path.write_text(STUDY.format(out=tmp_path).replace('"steps=2"', '"steps=3"'))
+    more = run_study(path, only=["q_seed1"], echo=lambda m: None)
+    assert [r["checkpoint"].endswith("step_00000003") for r in more] == [True, True]
+    steps = [
+        json.loads(x)["step"]
+        for x in (tmp_path / "runs" / "q_seed1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3]
+    saved = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["run"] for r in saved] == ["q_seed0", "q_seed0", "q_seed1", "q_seed1"]
+
+
+def test_a_bad_study_is_refused_before_training(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text(STUDY.format(out=tmp_path).replace('name = "q_seed{seed}"', 'name = "q"'))
+    with pytest.raises(ConfigError, match="run names repeat"):
+        run_study(path)
+    path.write_text(STUDY.format(out=tmp_path).replace('set = ["mode=reprefill"]', 'set = ["mode=bogus"]'))
+    with pytest.raises(ConfigError, match="eval reprefill: .*mode"):
+        run_study(path)
+    assert not (tmp_path / "runs").exists()
