@@ -111,7 +111,8 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] = 
             loc = [str(x) for x in err["loc"]]
             where = ".".join(loc) or "(top level)"
             msg = err["msg"].removeprefix("Value error, ")
-            line = f"  {where}: {msg}" + (f" (got {err['input']!r})" if "input" in err else "")
+            shown = "input" in err and not isinstance(err["input"], dict)  # not a whole section
+            line = f"  {where}: {msg}" + (f" (got {err['input']!r})" if shown else "")
             # the --set that put the bad value there (pydantic adds the variant's name to the path)
             source = next((o for k, o in given.items() if k and _covers(k.split("."), loc)), None)
             lines.append(line + (f", from --set {source}" if source else ""))

@@ -71,3 +71,16 @@ def test_a_bad_study_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="eval reprefill: .*mode"):
         run_study(path)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_studies_in_configs_are_valid():
+    """Every study config expands and every run and evaluation config validates (no training)."""
+    import tomllib
+    from pathlib import Path
+
+    from compactrl.study import StudyConfig, expand
+
+    studies = sorted(Path("configs/studies").glob("*.toml"))
+    assert studies
+    for path in studies:
+        assert expand(StudyConfig.model_validate(tomllib.loads(path.read_text())))
