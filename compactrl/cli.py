@@ -828,14 +828,16 @@ def bench_modes(
             out.print(f"  {mode}: no preemption up to {max(p['concurrency'] for p in c[mode])} episodes")
             continue
         out.print(
-            f"  {mode}: {o['measured']} concurrent episodes (sweep level {o['coarse']}); predicted "
-            f"{o['predicted']} = pool // {o['peak_kv_per_episode']} (peak KV footprint per episode) + 1; "
-            f"from the peak live KV ({o['peak_live_kv_per_episode']}) alone {o['predicted_from_live_kv']}"
+            f"  {mode}: {o['measured']} concurrent episodes (sweep level {o['coarse']}; KV demand "
+            f"{o['demand_below_onset']} at {o['measured'] - 1}, {o['demand_at_onset']} at {o['measured']}); "
+            f"from the peak footprint per episode ({o['peak_kv_per_episode']}, holes included) at least "
+            f"{o['predicted']}; from the peak live KV ({o['peak_live_kv_per_episode']}) "
+            f"{o['predicted_from_live_kv']}"
         )
     bound = " (stream never preempted: lower bound)" if c["concurrency_ratio_is_lower_bound"] else ""
     ratio = "-" if c["concurrency_ratio"] is None else f"{c['concurrency_ratio']:.2f}"
     predicted = "-" if c["predicted_concurrency_ratio"] is None else f"{c['predicted_concurrency_ratio']:.2f}"
-    out.print(f"concurrency ratio stream / full: {ratio}{bound}, predicted {predicted}")
+    out.print(f"concurrency ratio stream / full: {ratio}{bound}; from the peak footprints {predicted}")
     out.print("plots: " + ", ".join(result.get("plots", [])))
 
 

@@ -12,8 +12,9 @@ Part 2, a concurrency sweep under one fixed KV pool (``pool_episodes`` = 2.5 tim
 one ``full`` episode of a longer task): episodes/s and generated tokens/s for ``full`` and
 ``stream`` sliding window as concurrency grows, and the concurrency at which each starts to
 preempt (``concurrency_ratio`` = stream onset / full onset), as in the KV-streams paper's figure 9.
-Each onset is bisected between the sweep's levels and checked against the one predicted from
-the episodes' peak KV footprint (:func:`predicted_onset`).
+Each onset is bisected between the sweep's levels, checked against the KV demand of the runs at
+and below it, and set beside the earliest onset the episodes' peak KV footprint allows
+(:func:`predicted_onset`).
 """
 
 from __future__ import annotations
@@ -147,15 +148,16 @@ def _vllm_rollouts(vllm_python: str, job: dict, tmp: Path) -> list[dict]:
 
 
 def predicted_onset(pool: int, peak_kv: int) -> int:
-    """The concurrency at which ``pool`` no longer holds as many peaks of ``peak_kv`` tokens.
+    """The earliest preemption onset that ``c`` episodes of at most ``peak_kv`` tokens allow.
 
     A run preempts iff its KV demand (``_Engine``: every resident row, holes included, at one
-    scheduling decision) would exceed the pool. If every one of ``c`` episodes needs at most
-    ``peak`` tokens, ``c <= pool // peak`` cannot preempt, so ``pool // peak + 1`` is the earliest
-    onset; it is the onset when the episodes' footprints peak in the same step, as the sweep's do
-    (the same task, turns fed in step): every full episode peaks at its last turn, and stream rows
-    of long episodes fill with holes in step. With the peak live KV instead, holes are left out and
-    the prediction comes late: a stream row also holds up to ``compact_holes`` of itself in holes."""
+    scheduling decision) would exceed the pool. If no episode ever needs more than ``peak_kv``,
+    ``c <= pool // peak_kv`` episodes cannot preempt, so the onset is at least ``pool // peak_kv +
+    1``, and equal to it when the episodes reach their peaks in the same step. Full episodes do (at
+    their last turn; no holes, so the footprint is the live KV). A stream row peaks just before a
+    compaction, with the holes that its evictions left plus a turn being fed, and the sweep's rows
+    do not all do that in the same step: their onset can come later (one later in the README's
+    sweep). The peak live KV leaves the holes out, and predicts a later onset than the engine's."""
     return pool // peak_kv + 1
 
 
@@ -176,7 +178,7 @@ def sweep_onsets(
     After the sweep's ``levels``, the onset is bisected between the last level that did not
     preempt and the first that did (assuming more episodes never need less KV). It is checked
     twice: against :func:`predicted_onset` from the largest footprint of an episode that ran
-    without preemption, and directly: the episodes at the onset, run in an unbounded pool, demand
+    without preemption, and exactly: the episodes at the onset, run in an unbounded pool, demand
     more than ``pool`` (``demand_at_onset``), those one below it did not (``demand_below_onset``)."""
     points: dict[str, list[dict]] = {m: [] for m in modes}
     for c in levels:
