@@ -5,7 +5,6 @@ row compaction. Behaviour only, no timings."""
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 
 from compactrl.agent.rollout import EpisodeResult, RolloutSettings
 from compactrl.bench import modes, trainer
@@ -61,8 +60,7 @@ def test_trainer_bench_warms_every_arm_once_and_interleaves_them(tiny_lm, monkey
     )
 
 
-@pytest.mark.parametrize("pool_episodes", [1.5, 2.5])
-def test_bisected_onsets_follow_the_kv_demand_and_the_full_mode_prediction(tmp_path, pool_episodes):
+def test_bisected_onsets_follow_the_kv_demand_and_the_full_mode_prediction(tmp_path):
     """Real engine, tiny task: the smallest concurrency that preempts, bisected from a coarse sweep,
     is where the episodes' KV demand passes the pool. Full episodes (no holes) peak together at
     their last turn, so it is pool // (peak footprint) + 1 exactly; a stream row's footprint counts
@@ -71,7 +69,7 @@ def test_bisected_onsets_follow_the_kv_demand_and_the_full_mode_prediction(tmp_p
     make = lambda: RoomsEnv(n_rooms=8, filler=4, action_tokens=4)  # noqa: E731
     settings = RolloutSettings(max_tokens=4, max_turns=9, ignore_eos=True)
     _, results, _ = modes._run(folder, make, SlidingWindow(), "full", settings, [0], 1, 1 << 20)
-    pool = int(pool_episodes * results[0].peak_live_kv)
+    pool = int(2.5 * results[0].peak_live_kv)
     window = SlidingWindow(max_turns=2, stride=1)
 
     def probe(mode, c, pool):
@@ -85,7 +83,7 @@ def test_bisected_onsets_follow_the_kv_demand_and_the_full_mode_prediction(tmp_p
         assert o["demand_below_onset"] <= pool < o["demand_at_onset"], (mode, o)
         assert o["predicted"] == pool // o["peak_kv_per_episode"] + 1 <= o["measured"], (mode, o)
     full, stream = found["onsets"]["full"], found["onsets"]["stream"]
-    assert full["measured"] == full["predicted"] == int(pool_episodes) + 1
+    assert full["measured"] == full["predicted"] == 3
     # no holes in full mode (the footprint lacks only the last turn's closing tokens, never fed)
     assert 0 <= full["peak_live_kv_per_episode"] - full["peak_kv_per_episode"] < 8
     assert stream["bisected_at"] and stream["peak_kv_per_episode"] > stream["peak_live_kv_per_episode"]
