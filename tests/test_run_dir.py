@@ -116,6 +116,7 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing(tmp_path, monk
 
 
 def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (CI may ignore it)
     straight = []
     train(config(tmp_path / "a", "steps=4", "checkpoint_every=10"), on_step=straight.append)
 
@@ -148,6 +149,10 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path):
         train(config(tmp_path / "c", "steps=4", "checkpoint_every=10"), on_step=twice)
     assert not (tmp_path / "c" / "checkpoints").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # started with SIGINT ignored (nohup): left alone
+    train(config(tmp_path / "d", "steps=1"))
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_tensorboard_has_each_step_once_after_a_resume(tmp_path):

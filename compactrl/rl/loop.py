@@ -251,8 +251,11 @@ def _finish_step_on_interrupt():
     """The first Ctrl-C sets a flag the loop checks after each step (which then checkpoints and
     stops); a second one stops at once, without a checkpoint. Main thread only (signals)."""
     flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    ):
+        yield flag  # a thread cannot take signals; an ignored SIGINT (nohup, a background job) stays so
         return
 
     def first(signum, frame):
