@@ -16,6 +16,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
@@ -109,24 +110,21 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return summary.get("last_step", {}).get("step") == steps
 
 
-def _train(name: str, config: str, sets: list[str], steps: int, log: Path) -> int:
-    run_dir = Path(sets[-1].partition("=")[2])
-    if _finished(run_dir, steps):
-        return 0
-    resume = ["--resume"] if (run_dir / "config.json").is_file() else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "compactrl.cli",
-        "train",
-        config,
-        *(x for s in sets for x in ("--set", s)),
-        *resume,
-    ]
+def _cli(args: list[str], log: Path) -> int:
+    """Run ``compactrl ARGS`` in its own process (its own torch threads), appending to ``log``."""
+    cmd = [sys.executable, "-m", "compactrl.cli", *args]
     with open(log, "a") as f:
         f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
         f.flush()
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def _train(config: str, sets: list[str], steps: int, log: Path) -> int:
+    run_dir = Path(sets[-1].partition("=")[2])
+    if _finished(run_dir, steps):
+        return 0
+    resume = ["--resume"] if (run_dir / "config.json").is_file() else []
+    return _cli(["train", config, *(x for s in sets for x in ("--set", s)), *resume], log)
 
 
 def _stderr(stats: dict) -> float:
@@ -138,18 +136,20 @@ def _stderr(stats: dict) -> float:
     return math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) / len(rewards))
 
 
-def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec) -> dict:
-    from compactrl.rl.loop import TrainConfig, evaluate
+def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec, log: Path) -> dict:
+    """The row of one evaluation of a run's newest checkpoint (read back if it was done before)."""
+    from compactrl.rl.loop import TrainConfig
 
     cfg = load_config(TrainConfig, config, [*sets, *ev.set])
     run_dir = Path(cfg.out)
-    done = sorted((run_dir / "eval").glob(f"*-study-{ev.name}.json"))
-    newest = resolve_checkpoint(run_dir).name
-    if done and done[-1].name.startswith(newest):  # evaluated before on this checkpoint
-        stats = json.loads(done[-1].read_text())
-    else:
-        result = evaluate(cfg, run_dir, ev.episodes, ev.greedy, name=f"study-{ev.name}")
-        stats = json.loads(Path(result["path"]).read_text())
+    label = f"{resolve_checkpoint(run_dir).name}{'-greedy' if ev.greedy else ''}-study-{ev.name}"
+    path = run_dir / "eval" / f"{label}.json"
+    if not path.is_file():
+        args = ["eval", config, *(x for s in [*sets, *ev.set] for x in ("--set", s)), "--checkpoint",
+                str(run_dir), "--episodes", str(ev.episodes), "--name", f"study-{ev.name}"]  # fmt: skip
+        if _cli([*args, *(["--greedy"] if ev.greedy else [])], log) != 0 or not path.is_file():
+            raise RuntimeError(f"run {name}: evaluation {ev.name} failed; see {log}")
+    stats = json.loads(path.read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     data = json.loads(cfg.model_dump_json())
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
@@ -161,44 +161,52 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
 
 
 def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> list[dict]:
-    """Train what is not trained yet, evaluate, and write the rows to ``results``."""
+    """Train what is not trained yet and evaluate it, ``parallel`` runs at a time; the rows are
+    written to ``results`` as each run finishes, in the study's order (rows of other runs kept)."""
     try:
         study = StudyConfig.model_validate(tomllib.loads(Path(path).read_text()))
     except (OSError, tomllib.TOMLDecodeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from e
-    runs = [r for r in expand(study) if not only or r[0] in only]
+    every = expand(study)
+    runs = [r for r in every if not only or r[0] in only]
     if only and len(runs) < len(set(only)):
         raise ConfigError(f"--only {sorted(set(only) - {r[0] for r in runs})}: no such run in {path}")
     from compactrl.rl.loop import TrainConfig
 
     Path(study.out).mkdir(parents=True, exist_ok=True)
+    results = Path(study.results)
+    table: dict[str, list[dict]] = {}
+    if results.is_file():  # earlier rows, replaced run by run
+        for row in json.loads(results.read_text())["rows"]:
+            table.setdefault(row["run"], []).append(row)
+    lock = threading.Lock()
 
-    def one(run):
+    def one(run) -> list[dict] | None:
         name, config, sets = run
-        steps = load_config(TrainConfig, config, sets).steps
+        log = Path(study.out) / f"{name}.log"
         echo(f"{name}: training")
-        rc = _train(name, config, sets, steps, Path(study.out) / f"{name}.log")
-        echo(f"{name}: " + ("trained" if rc == 0 else f"failed (exit {rc}); see {study.out}/{name}.log"))
-        return rc
+        rc = _train(config, sets, load_config(TrainConfig, config, sets).steps, log)
+        if rc != 0:
+            echo(f"{name}: failed (exit {rc}); see {log}")
+            return None
+        rows = []
+        for ev in study.eval:
+            rows.append(_evaluate(study, name, config, sets, ev, log))
+            echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
+        with lock:
+            table[name] = rows
+            order = [r[0] for r in every]
+            ordered = [row for n in sorted(table, key=lambda n: order.index(n) if n in order else len(order))
+                       for row in table[n]]  # fmt: skip
+            results.parent.mkdir(parents=True, exist_ok=True)
+            results.write_text(json.dumps({"study": str(path), "rows": ordered}, indent=1) + "\n")
+        return rows
 
     with ThreadPoolExecutor(study.parallel) as pool:
-        codes = list(pool.map(one, runs))
-    rows = []
-    for (name, config, sets), rc in zip(runs, codes, strict=True):
-        if rc != 0:
-            continue
-        for ev in study.eval:
-            rows.append(_evaluate(study, name, config, sets, ev))
-            echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
-    results = Path(study.results)
-    kept = []
-    if only and results.is_file():  # a partial study updates its rows, keeps the others
-        kept = [r for r in json.loads(results.read_text())["rows"] if r["run"] not in only]
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"study": str(path), "rows": kept + rows}, indent=1) + "\n")
-    failed = [r[0] for r, rc in zip(runs, codes, strict=True) if rc != 0]
+        done = list(pool.map(one, runs))
+    failed = [r[0] for r, rows in zip(runs, done, strict=True) if rows is None]
     if failed:
         raise RuntimeError(
             f"runs {failed} failed; their logs are in {study.out}/; rerun the study to resume them"
         )
-    return rows
+    return [row for rows in done for row in rows]
