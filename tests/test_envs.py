@@ -230,3 +230,21 @@ class Broken:
 def test_malformed_env_output_is_an_env_error():
     with pytest.raises(EnvError, match="expected Reset"):
         asyncio.run(guarded(Broken(), "reset", 0, 1.0))
+
+
+def test_textworld_trains_on_a_fixed_pool_of_games_and_evaluates_outside_it(games):
+    from compactrl.envs.base import HELD_OUT_SEED
+
+    pool = TextWorldEnv("coin_collector", {"level": 5}, cache_dir=games, games=2)
+    played = {}
+    for seed in (0, 1, 2, 5, HELD_OUT_SEED, HELD_OUT_SEED + 2):
+        pool.reset(seed)
+        played[seed] = pool.game
+    assert played[0] == played[2] and played[1] == played[5] and played[0] != played[1]  # seed % 2
+    assert played[HELD_OUT_SEED] not in (played[0], played[1])  # held-out games are unseen
+    assert played[HELD_OUT_SEED] != played[HELD_OUT_SEED + 2]  # and never folded together
+    pool.close()
+    every = TextWorldEnv("coin_collector", {"level": 5}, cache_dir=games)
+    every.reset(2)
+    assert every.game != played[0]  # without a pool every seed is its own game
+    every.close()

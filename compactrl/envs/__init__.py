@@ -83,6 +83,13 @@ class TextWorldConfig(_Config):
         "~/.cache/compactrl/textworld",
         description="where games are compiled and kept, one per (challenge, settings, seed)",
     )
+    games: int | None = Field(
+        None,
+        ge=1,
+        description="train on a fixed pool of this many games: a training seed plays game seed % games "
+        "(compiled once, cached); held-out evaluation seeds (>= 10^9) play games outside the pool. "
+        "Unset: every seed is its own game (a new game costs 2-10 s to compile)",
+    )
     list_commands: bool = Field(True, description="each observation ends with the admissible commands")
     match_commands: bool = Field(
         False,

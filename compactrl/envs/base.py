@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+HELD_OUT_SEED = 10**9  # held-out evaluation episodes use seeds from here on; training seeds stay below
+
 
 @dataclass
 class Reset:

@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from compactrl.envs.base import Reset, Step
+from compactrl.envs.base import HELD_OUT_SEED, Reset, Step
 
 DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
     "coin_collector": {"level": 1},
@@ -132,6 +132,7 @@ class TextWorldEnv:
         list_commands: bool = True,
         system: str | None = SYSTEM,
         match_commands: bool = False,
+        games: int | None = None,
     ):
         if challenge not in DEFAULT_SETTINGS:
             raise ValueError(f"textworld challenge {challenge!r} unknown; choose one of {list(CHALLENGES)}")
@@ -144,6 +145,7 @@ class TextWorldEnv:
         self.settings = {**DEFAULT_SETTINGS[challenge], **(settings or {})}
         self.cache_dir = Path(cache_dir).expanduser()
         self.list_commands = list_commands
+        self.games = games  # training seeds fold into this pool; held-out ones never do
         self.match_commands = match_commands
         self.admissible: list[str] = []
         if system == SYSTEM and not list_commands:
@@ -163,7 +165,9 @@ class TextWorldEnv:
 
     def reset(self, seed: int, demos: bool = False) -> Reset:
         tw = _textworld()
-        path = make_game(self.cache_dir, self.challenge, self.settings, seed)
+        if self.games and seed < HELD_OUT_SEED:
+            seed %= self.games
+        path = self.game = make_game(self.cache_dir, self.challenge, self.settings, seed)
         self.close()
         infos = tw.EnvInfos(admissible_commands=True, objective=True, score=True, max_score=True,
                             won=True, lost=True, policy_commands=demos)  # fmt: skip

@@ -37,6 +37,7 @@ from compactrl.agent.rollout import RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
+from compactrl.envs.base import HELD_OUT_SEED
 from compactrl.models.loading import load_model, save_model
 from compactrl.models.lora import Adapters
 from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
@@ -470,7 +471,7 @@ def _no_update() -> dict:
 def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[dict, list]:
     """``episodes`` episodes on env seeds no training step uses, in the run's mode and strategy."""
     settings = cfg.rollout.model_copy(update={"temperature": 0.0}) if greedy else cfg.rollout
-    seeds = [1_000_000_000 + cfg.seed + i for i in range(episodes)]
+    seeds = [HELD_OUT_SEED + cfg.seed + i for i in range(episodes)]
     fmt = ChatFormat.from_tokenizer(
         engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
     )
