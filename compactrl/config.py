@@ -89,16 +89,19 @@ def _switch_variants(model: type[pydantic.BaseModel], data: dict, overrides: lis
     return notes
 
 
+def read_toml(path: str | Path) -> dict:
+    """A config file's TOML; a missing file or bad TOML is a ConfigError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p} is not valid TOML: {e}") from e
+
+
 def load_config(model: type[M], path: str | Path | None, overrides: list[str] = ()) -> M:
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p} is not valid TOML: {e}") from e
+    data = read_toml(path) if path is not None else {}
     data = _default_names(model, apply_overrides(data, list(overrides)))
     for note in _switch_variants(model, data, list(overrides)):
         print(f"note: {note}", file=sys.stderr)

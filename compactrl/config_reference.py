@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import annotated_types
 import pydantic
 
 from compactrl.agent.batch import RolloutConfig
-from compactrl.config import ConfigError, _variants, load_config
+from compactrl.config import ConfigError, _variants, load_config, read_toml
 from compactrl.rl.loop import TrainConfig
 
 KINDS: dict[str, type[pydantic.BaseModel]] = {"train": TrainConfig, "rollout": RolloutConfig}
@@ -40,12 +39,7 @@ def detect_kind(path: str | Path, overrides: list[str] = ()) -> str:
     """``train`` or ``rollout``, told from the top-level fields the file (and ``--set``) sets that only
     one of the two configs has (a train config has ``steps``, a rollout config ``episodes``)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p} is not valid TOML: {e}") from e
+    data = read_toml(p)
     keys = set(data) | {o.partition("=")[0].strip().split(".")[0] for o in overrides}
     train_f, rollout_f = set(TrainConfig.model_fields), set(RolloutConfig.model_fields)
     train_only, rollout_only = sorted(keys & (train_f - rollout_f)), sorted(keys & (rollout_f - train_f))

@@ -18,13 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compactrl.config import ConfigError, load_config
+from compactrl.config import ConfigError, load_config, read_toml
 from compactrl.rl.checkpoint import resolve_checkpoint
 
 
@@ -119,8 +118,7 @@ def _cli(args: list[str], log: Path) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
-def _train(config: str, sets: list[str], steps: int, log: Path) -> int:
-    run_dir = Path(sets[-1].partition("=")[2])
+def _train(config: str, sets: list[str], run_dir: Path, steps: int, log: Path) -> int:
     if _finished(run_dir, steps):
         return 0
     resume = ["--resume"] if (run_dir / "config.json").is_file() else []
@@ -136,21 +134,20 @@ def _stderr(stats: dict) -> float:
     return math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) / len(rewards))
 
 
-def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec, log: Path) -> dict:
-    """The row of one evaluation of a run's newest checkpoint (read back if it was done before)."""
+def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec, ckpt: Path,
+              summary: dict, log: Path) -> dict:  # fmt: skip
+    """The row of one evaluation of the run's checkpoint ``ckpt`` (read back if done before)."""
     from compactrl.rl.loop import TrainConfig
 
     cfg = load_config(TrainConfig, config, [*sets, *ev.set])
-    run_dir = Path(cfg.out)
-    label = f"{resolve_checkpoint(run_dir).name}{'-greedy' if ev.greedy else ''}-study-{ev.name}"
-    path = run_dir / "eval" / f"{label}.json"
+    label = f"{ckpt.name}{'-greedy' if ev.greedy else ''}-study-{ev.name}"
+    path = Path(cfg.out) / "eval" / f"{label}.json"
     if not path.is_file():
         args = ["eval", config, *(x for s in [*sets, *ev.set] for x in ("--set", s)), "--checkpoint",
-                str(run_dir), "--episodes", str(ev.episodes), "--name", f"study-{ev.name}"]  # fmt: skip
+                str(ckpt), "--episodes", str(ev.episodes), "--name", f"study-{ev.name}"]  # fmt: skip
         if _cli([*args, *(["--greedy"] if ev.greedy else [])], log) != 0 or not path.is_file():
             raise RuntimeError(f"run {name}: evaluation {ev.name} failed; see {log}")
     stats = json.loads(path.read_text())
-    summary = json.loads((run_dir / "summary.json").read_text())
     data = json.loads(cfg.model_dump_json())
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
     row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
@@ -163,9 +160,10 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
 def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> list[dict]:
     """Train what is not trained yet and evaluate it, ``parallel`` runs at a time; the rows are
     written to ``results`` as each run finishes, in the study's order (rows of other runs kept)."""
+    data = read_toml(path)
     try:
-        study = StudyConfig.model_validate(tomllib.loads(Path(path).read_text()))
-    except (OSError, tomllib.TOMLDecodeError, ValueError) as e:
+        study = StudyConfig.model_validate(data)
+    except ValueError as e:
         raise ConfigError(f"{path}: {e}") from e
     every = expand(study)
     runs = [r for r in every if not only or r[0] in only]
@@ -185,13 +183,16 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
         name, config, sets = run
         log = Path(study.out) / f"{name}.log"
         echo(f"{name}: training")
-        rc = _train(config, sets, load_config(TrainConfig, config, sets).steps, log)
+        cfg = load_config(TrainConfig, config, sets)
+        rc = _train(config, sets, Path(cfg.out), cfg.steps, log)
         if rc != 0:
             echo(f"{name}: failed (exit {rc}); see {log}")
             return None
+        ckpt = resolve_checkpoint(cfg.out)  # checked once; each evaluation loads it
+        summary = json.loads((Path(cfg.out) / "summary.json").read_text())
         rows = []
         for ev in study.eval:
-            rows.append(_evaluate(study, name, config, sets, ev, log))
+            rows.append(_evaluate(study, name, config, sets, ev, ckpt, summary, log))
             echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
         with lock:
             table[name] = rows

@@ -214,12 +214,19 @@ def remove_partial_writes(run_dir: str | Path) -> list[Path]:
     return found
 
 
-def load_checkpoint(path: str | Path, model, optimizer: torch.optim.Optimizer,
-                    modules: dict[str, torch.nn.Module] | None = None) -> dict:  # fmt: skip
+def load_checkpoint(
+    path: str | Path,
+    model,
+    optimizer: torch.optim.Optimizer,
+    modules: dict[str, torch.nn.Module] | None = None,
+    checked: bool = False,
+) -> dict:
     """Restore weights, optimizer, extra modules and RNG states in place; returns step and state.
-    The checkpoint is checked against its manifest first; a bad file is named."""
+    The checkpoint is checked against its manifest first (unless ``checked``: the caller just did,
+    e.g. :func:`latest_checkpoint`); a bad file is named."""
     path = Path(path)
-    check_checkpoint(path)
+    if not checked:
+        check_checkpoint(path)
     try:
         payload = json.loads((path / STATE).read_text())
     except ValueError as e:

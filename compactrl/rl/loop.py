@@ -283,7 +283,7 @@ def _resume_point(run_dir: Path, model, trainer: Trainer, modules: dict) -> dict
     if ckpt is None:
         note(f"no complete checkpoint in {run_dir / 'checkpoints'}: the run starts again from step 0")
         return {"step": 0, "state": {}}
-    loaded = load_checkpoint(ckpt, model, trainer.optimizer, modules)
+    loaded = load_checkpoint(ckpt, model, trainer.optimizer, modules, checked=True)  # latest_checkpoint did
     if skipped:
         note(f"resuming from {ckpt} (step {loaded['step']})")
     return loaded
