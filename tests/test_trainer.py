@@ -426,8 +426,9 @@ def test_a_resumed_gae_run_equals_the_uninterrupted_one(tmp_path, uninterrupted_
 
     real = loop.load_checkpoint
 
-    def without_the_critic(path, model, optimizer, modules=None):
-        return real(path, model, optimizer, {k: v for k, v in (modules or {}).items() if k != "value_head"})
+    def without_the_critic(path, model, optimizer, modules=None, **kw):
+        kept = {k: v for k, v in (modules or {}).items() if k != "value_head"}
+        return real(path, model, optimizer, kept, **kw)
 
     monkeypatch.setattr(loop, "load_checkpoint", without_the_critic)
     control = []
