@@ -843,9 +843,17 @@ def bench_modes(
 
 @app.command("plot")
 def plot_cmd(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory written by compactrl train.")],
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A run directory written by compactrl train; several: compare them.", metavar="RUN_DIR..."
+        ),
+    ],
     output: Annotated[
-        Path | None, typer.Option("--out", help="PNG path (default: RUN_DIR/curves.png).")
+        Path | None,
+        typer.Option(
+            "--out", help="PNG path (default: RUN_DIR/curves.png; comparing runs: compare.png here)."
+        ),
     ] = None,
     metric: Annotated[
         list[str] | None,
@@ -853,17 +861,26 @@ def plot_cmd(
     ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Draw a run's training curves (reward, loss, KL, time per step; SFT steps shaded) to PNG."""
-    from compactrl.plot import PlotError, plot_run
+    """Draw a run's training curves (reward, loss, KL, time per step; SFT steps shaded) to PNG;
+    several runs: their held-out success against training wall-clock (circles stream, squares
+    reprefill, diamonds full)."""
+    from compactrl.plot import PlotError, plot_compare, plot_run
 
+    if len(run_dirs) > 1 and metric:
+        fail("--metric draws one run's curves; give one RUN_DIR, or drop --metric to compare runs")
     try:
-        result = plot_run(run_dir, output, metric)
+        if len(run_dirs) > 1:
+            result = plot_compare(run_dirs, output or Path("compare.png"))
+        else:
+            result = plot_run(run_dirs[0], output, metric)
     except PlotError as e:
         fail(str(e))
     except OSError as e:
         fail(f"cannot write {e.filename or output}: {e.strerror or e}")
     if as_json:
         emit_json(result)
+    elif len(run_dirs) > 1:
+        out.print(f"{result['png']} ({len(result['runs'])} runs: success against wall-clock)", soft_wrap=True)
     else:
         out.print(f"{result['png']} ({result['steps']} steps: {', '.join(result['panels'])})", soft_wrap=True)
 

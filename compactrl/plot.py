@@ -6,6 +6,10 @@ lighter), loss (and the critic's value loss when there is one), KL (``mismatch_k
 ``ref_kl`` when nonzero; log scale when all positive) and time per step (generate / train /
 sync stacked); ``metrics=[...]`` draws one panel per named metric instead. Supervised steps
 (``phase`` ``sft`` / ``sft_evicted``) are shaded. Input is checked before anything is drawn.
+
+Several run directories (``compactrl plot RUN_DIR RUN_DIR ...``) are compared instead: held-out
+success (``eval_every``) against training wall-clock hours, evaluations left out, as the KV-streams
+paper draws it: a colour per strategy, circles for stream, squares for reprefill, diamonds for full.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 from pathlib import Path
 
 DEFAULT_PANELS = ("reward", "loss", "kl", "time")
+MODE_MARKERS = {"stream": "o", "reprefill": "s", "full": "D"}
 SHADES = {"sft": ("tab:green", "SFT"), "sft_evicted": ("tab:olive", "SFT (evicted)")}
 
 
@@ -95,6 +100,62 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, metrics: list[s
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return {"png": str(out), "steps": len(rows), "panels": panels}
+
+
+def success_curve(run_dir: str | Path) -> list[tuple[float, float]]:
+    """``(training wall-clock seconds, held-out success)`` per evaluation of the run: as RL starts
+    (0 s), every ``eval_every`` steps and at the end."""
+    rows = load_metrics(run_dir)
+    summary = _summary(Path(run_dir) / "summary.json")
+    points = [(r["wall_s"], r["eval_success"]) for r in rows if _number(r.get("eval_success"))]
+    warm_up = [r.get("wall_s", 0.0) for r in rows if r.get("phase") != "rl"]  # SFT steps: before the curve
+    start = warm_up[-1] if warm_up else 0.0
+    before = summary.get("eval_before")
+    if isinstance(before, dict) and _number(before.get("success_rate")):
+        points.insert(0, (start, before["success_rate"]))
+    return [(t - start, y) for t, y in points]
+
+
+def plot_compare(run_dirs: list[str | Path], out: str | Path) -> dict:
+    """Held-out success against training wall-clock hours for several runs, in one PNG."""
+    runs = []
+    for d in run_dirs:
+        curve = success_curve(d)
+        if not curve:
+            raise PlotError(f"{d} has no held-out evaluations: train it with eval_episodes and eval_every")
+        try:
+            config = json.loads((Path(d) / "config.json").read_text())
+        except (OSError, ValueError):
+            raise PlotError(
+                f"{d} has no readable config.json: give run directories of compactrl train"
+            ) from None
+        runs.append(
+            (Path(d).resolve().name, config.get("mode"), config.get("strategy", {}).get("name"), curve)
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strategies = list(dict.fromkeys(s for _, _, s, _ in runs))
+    colors = dict(zip(strategies, plt.get_cmap("tab10").colors, strict=False))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for name, mode, strategy, curve in runs:
+        hours = [t / 3600 for t, _ in curve]
+        ax.plot(hours, [y for _, y in curve], marker=MODE_MARKERS.get(mode, "x"), color=colors[strategy],
+                ls="-" if mode == "stream" else "--", lw=1.2, ms=6, label=name)  # fmt: skip
+    ax.set_xlabel("training wall-clock (hours, evaluations left out)")
+    ax.set_ylabel("held-out success (greedy)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title("success against wall-clock: circles stream, squares reprefill, diamonds full", fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return {"png": str(out), "runs": [name for name, *_ in runs]}
 
 
 def _number(v) -> bool:

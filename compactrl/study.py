@@ -1,10 +1,11 @@
 """A study: a grid of training runs, each evaluated several ways, as one config and one command.
 
-``compactrl study configs/recall/grid.toml`` expands each ``[[run]]`` (a train config, ``--set``
-overrides, and a grid of values: the cartesian product) into named runs, trains them (``parallel``
-at a time, each its own process with its own threads), then evaluates every run's final checkpoint
-with each ``[[eval]]`` (overrides such as another env variant or mode, on held-out episodes) and
-writes one row per run and eval to ``results``. It resumes: a finished run is not trained again, a
+``compactrl study configs/studies/recall_grid.toml`` expands each ``[[run]]`` (a train config,
+``--set`` overrides, and a grid of values: the cartesian product) into named runs, trains them
+(``parallel`` at a time, each its own process with its own threads; a later ``stage`` waits for the
+earlier ones), then evaluates every run's final checkpoint with each ``[[eval]]`` (overrides such
+as another env variant or mode, on held-out episodes) and writes one row per run and eval (or per
+run) to ``results``. It resumes: a finished run is not trained again, a
 run with a checkpoint continues from it (``--resume``), and an evaluation already in the run's
 ``eval/`` folder is read back, so a killed study loses at most the steps since each checkpoint.
 """
@@ -20,6 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -34,6 +36,10 @@ class RunSpec(BaseModel):
     name: str = Field(description="the run's folder name; {field} is replaced by that grid value")
     set: list[str] = Field([], description="--set overrides for every run of this block")
     grid: dict[str, list] = Field({}, description="field -> values; one run per combination")
+    stage: int = Field(
+        0, ge=0, description="runs of a stage start once every run of the stages before it is done "
+        "(e.g. an SFT run whose checkpoint the RL runs start from)"
+    )  # fmt: skip
 
 
 class EvalSpec(BaseModel):
@@ -52,6 +58,10 @@ class StudyConfig(BaseModel):
     results: str = Field(description="JSON file of the rows (one per run and eval)")
     parallel: int = Field(1, ge=1, description="runs trained at once (one thread each by default)")
     columns: dict[str, str] = Field({}, description="row column -> dotted config field, e.g. k = 'env.k'")
+    rows: Literal["per_eval", "per_run"] = Field(
+        "per_eval", description="per_eval: a row per run and eval; per_run: a row per run, each eval's "
+        "accuracy and stderr as <eval>_success and <eval>_stderr"
+    )  # fmt: skip
     run: list[RunSpec] = Field(min_length=1)
     eval: list[EvalSpec] = Field(min_length=1)
 
@@ -69,9 +79,9 @@ def _field(data: dict, dotted: str):
     return data
 
 
-def expand(study: StudyConfig) -> list[tuple[str, str, list[str]]]:
-    """``(name, config path, overrides)`` per run; every run's config is validated here, before any
-    training starts, and names must be unique."""
+def expand(study: StudyConfig) -> list[tuple[str, str, list[str], int]]:
+    """``(name, config path, overrides, stage)`` per run; every run's config is validated here, before
+    any training starts, and names must be unique."""
     runs = []
     for spec in study.run:
         keys = list(spec.grid)
@@ -80,25 +90,32 @@ def expand(study: StudyConfig) -> list[tuple[str, str, list[str]]]:
             name = spec.name.format_map({k.replace(".", "_"): v for k, v in point.items()})
             sets = [*spec.set, *(f"{k}={json.dumps(v)}" for k, v in point.items())]
             sets.append(f"out={Path(study.out) / name}")
-            runs.append((name, spec.config, sets))
+            runs.append((name, spec.config, sets, spec.stage))
     names = [r[0] for r in runs]
     if len(set(names)) < len(names):
         raise ConfigError(
             f"run names repeat ({names}): put each grid field in the name, e.g. 'rl_k{{env_k}}'"
         )
-    for name, config, sets in runs:
-        from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.loop import TrainConfig
 
-        try:
-            load_config(TrainConfig, config, sets)
-        except ConfigError as e:
-            raise ConfigError(f"run {name}: {e}") from e
-        for ev in study.eval:
+    for name, config, sets, stage in runs:
+        for ev in [None, *study.eval]:
             try:
-                load_config(TrainConfig, config, [*sets, *ev.set])
+                load_config(TrainConfig, config, [*sets, *(ev.set if ev else [])])
             except ConfigError as e:
-                raise ConfigError(f"run {name}, eval {ev.name}: {e}") from e
+                if stage and _made_by_the_study(study, config, sets):
+                    continue  # checked again when its stage starts
+                raise ConfigError(f"run {name}{f', eval {ev.name}' if ev else ''}: {e}") from e
     return runs
+
+
+def _made_by_the_study(study: StudyConfig, config: str, sets: list[str]) -> bool:
+    """Whether the run starts from a model folder (in the study's ``out``) that is not there yet:
+    an earlier stage writes it, so the run's config can be checked only once that stage is done."""
+    paths = [s.split("=", 1)[1] for s in sets if s.startswith("model.path=")]
+    path = paths[-1] if paths else read_toml(config).get("model", {}).get("path")
+    out = Path(study.out).resolve()
+    return bool(path) and not Path(path).exists() and out in Path(path).resolve().parents
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
@@ -123,6 +140,14 @@ def _train(config: str, sets: list[str], run_dir: Path, steps: int, log: Path) -
         return 0
     resume = ["--resume"] if (run_dir / "config.json").is_file() else []
     return _cli(["train", config, *(x for s in sets for x in ("--set", s)), *resume], log)
+
+
+def _step_seconds(run_dir: Path) -> dict:
+    """The run's generation and training seconds, summed over its steps' metrics rows."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {
+        k: sum(r.get(key, 0.0) for r in rows) for k, key in (("gen_s", "generate_s"), ("train_s", "train_s"))
+    }
 
 
 def _stderr(stats: dict) -> float:
@@ -152,8 +177,17 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
     row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
             "episodes": stats["episodes"], "errors": stats["errors"], "checkpoint": stats["checkpoint"],
-            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), "seeds": 1, "seed": cfg.seed,
-            "steps": cfg.steps, "config": config, "set": sets[:-1] + ev.set}  # fmt: skip
+            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), **_step_seconds(Path(cfg.out)),
+            "seeds": 1, "seed": cfg.seed, "steps": cfg.steps, "config": config,
+            "set": sets[:-1] + ev.set}  # fmt: skip
+    return row
+
+
+def _per_run(rows: list[dict]) -> dict:
+    """One row for a run's evaluations: each eval's accuracy and stderr under its own name."""
+    row = {k: v for k, v in rows[0].items() if k not in ("eval", "accuracy", "mean_reward", "stderr", "set")}
+    for r in rows:
+        row |= {f"{r['eval']}_success": r["accuracy"], f"{r['eval']}_stderr": r["stderr"]}
     return row
 
 
@@ -180,7 +214,7 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
     lock = threading.Lock()
 
     def one(run) -> list[dict] | None:
-        name, config, sets = run
+        name, config, sets, _ = run
         log = Path(study.out) / f"{name}.log"
         echo(f"{name}: training")
         cfg = load_config(TrainConfig, config, sets)
@@ -194,6 +228,8 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
         for ev in study.eval:
             rows.append(_evaluate(study, name, config, sets, ev, ckpt, summary, log))
             echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
+        if study.rows == "per_run":
+            rows = [_per_run(rows)]
         with lock:
             table[name] = rows
             order = [r[0] for r in every]
@@ -203,11 +239,14 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
             results.write_text(json.dumps({"study": str(path), "rows": ordered}, indent=1) + "\n")
         return rows
 
-    with ThreadPoolExecutor(study.parallel) as pool:
-        done = list(pool.map(one, runs))
-    failed = [r[0] for r, rows in zip(runs, done, strict=True) if rows is None]
-    if failed:
-        raise RuntimeError(
-            f"runs {failed} failed; their logs are in {study.out}/; rerun the study to resume them"
-        )
-    return [row for rows in done for row in rows]
+    done = []
+    for stage in sorted({r[3] for r in runs}):
+        batch = [r for r in runs if r[3] == stage]
+        with ThreadPoolExecutor(study.parallel) as pool:
+            done += list(zip(batch, pool.map(one, batch), strict=True))
+        failed = [r[0] for r, rows in done if rows is None]
+        if failed:
+            raise RuntimeError(
+                f"runs {failed} failed; their logs are in {study.out}/; rerun the study to resume them"
+            )
+    return [row for _, rows in done for row in rows]

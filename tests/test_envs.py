@@ -212,7 +212,9 @@ def test_textworld_demo_trace_trains_on_the_walkthrough(games, tmp_path):
 def test_textworld_sft_warm_up_runs(games, tmp_path):
     overrides = [f"out={tmp_path / 'run'}", "steps=2", "sft_steps=2", "prompts=1", "group_size=1",
                  "eval_episodes=0", "rollout.max_turns=6", f"env.cache_dir={games}"]  # fmt: skip
-    cfg = load_config(TrainConfig, "configs/textworld/sliding_window_stream.toml", overrides)
+    cfg = load_config(
+        TrainConfig, "configs/textworld/sft.toml", [*overrides, "model.size=tiny", "env.games=2"]
+    )
     last = train(cfg)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     sft = [x for x in lines if x.get("phase") == "sft"]

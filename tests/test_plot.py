@@ -111,3 +111,31 @@ def test_plots_a_real_training_run(tmp_path):
     result = json.loads(r.stdout)
     assert result["steps"] == 3 and result["panels"] == list(DEFAULT_PANELS)
     decoded(result["png"])
+
+
+def test_comparing_runs_draws_success_against_training_time(tmp_path):
+    """Several runs: held-out success against wall-clock, the warm-up's time left out of the x axis."""
+    from compactrl.plot import plot_compare, success_curve
+
+    sft = [{"step": 1, "phase": "sft", "loss": 2.0, "train_s": 5.0, "wall_s": 5.0}]
+    runs = []
+    for mode, pace in (("stream", 10.0), ("reprefill", 30.0)):
+        rows = sft + [rl_row(s, wall_s=5.0 + pace * (s - 1)) for s in range(2, 6)]
+        rows[2]["eval_success"], rows[4]["eval_success"] = 0.25, 0.5
+        d = write_run(tmp_path / mode, rows, {"eval_before": {"success_rate": 0.125}})
+        (d / "config.json").write_text(json.dumps({"mode": mode, "strategy": {"name": "sliding_window"}}))
+        runs.append(d)
+    assert success_curve(runs[0]) == [(0.0, 0.125), (20.0, 0.25), (40.0, 0.5)]
+    assert success_curve(runs[1]) == [(0.0, 0.125), (60.0, 0.25), (120.0, 0.5)]
+    result = runner.invoke(
+        app, ["plot", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "c.png"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["runs"] == ["stream", "reprefill"]
+    decoded(tmp_path / "c.png")
+    bare = write_run(tmp_path / "bare", [rl_row(1)])  # no evaluations: nothing to compare
+    result = runner.invoke(app, ["plot", str(runs[0]), str(bare)])
+    assert result.exit_code != 0 and "eval_every" in result.output
+    with pytest.raises(PlotError, match="config.json"):
+        plot_compare([write_run(tmp_path / "noconf", [rl_row(1, eval_success=0.5, wall_s=1.0)])] * 2,
+                     tmp_path / "x.png")  # fmt: skip

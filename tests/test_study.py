@@ -62,6 +62,52 @@ def test_a_study_trains_its_grid_evaluates_and_resumes(tmp_path):
     assert [r["run"] for r in saved] == ["q_seed0", "q_seed0", "q_seed1", "q_seed1"]
 
 
+STAGED = """
+out = "{out}/runs"
+results = "{out}/results.json"
+parallel = 2
+rows = "per_run"
+columns = {{ mode = "mode" }}
+
+[[run]]
+config = "configs/quickstart.toml"
+name = "base"
+set = ["steps=2", "checkpoint_every=2"]
+
+[[run]]
+config = "configs/quickstart.toml"
+name = "tuned_{{mode}}"
+stage = 1
+set = ["steps=1", "model.path={out}/runs/base/checkpoints/step_00000002/model"]
+grid = {{ mode = ["stream", "reprefill"] }}
+
+[[eval]]
+name = "final"
+episodes = 2
+
+[[eval]]
+name = "full"
+set = ["mode=full"]
+episodes = 2
+"""
+
+
+def test_a_later_stage_starts_from_an_earlier_runs_checkpoint_and_rows_can_be_per_run(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text(STAGED.format(out=tmp_path))
+    rows = run_study(path, echo=lambda m: None)
+    assert [(r["run"], r["mode"]) for r in rows] == [
+        ("base", "stream"), ("tuned_stream", "stream"), ("tuned_reprefill", "reprefill")
+    ]  # fmt: skip
+    for r in rows:  # one row per run: each eval's success and stderr side by side
+        assert {"final_success", "final_stderr", "full_success", "full_stderr"} <= set(r)
+        assert "eval" not in r and "accuracy" not in r
+        assert r["gen_s"] > 0 and r["train_s"] > 0 and r["wall_s"] >= r["gen_s"] + r["train_s"]
+    base = tmp_path / "runs" / "base" / "checkpoints" / "step_00000002" / "model" / "model.safetensors"
+    tuned = json.loads((tmp_path / "runs" / "tuned_stream" / "config.json").read_text())
+    assert tuned["model"]["path"] == str(base.parent) and base.is_file()
+
+
 def test_a_bad_study_is_refused_before_training(tmp_path):
     path = tmp_path / "study.toml"
     path.write_text(STUDY.format(out=tmp_path).replace('name = "q_seed{seed}"', 'name = "q"'))

@@ -37,8 +37,8 @@ class ModelSource(BaseModel):
 
     path: str | None = Field(
         None,
-        description="Hugging Face model folder (config.json, safetensors, tokenizer); unset: a tiny random "
-        "model generated into the run directory",
+        description="Hugging Face model folder (config.json, safetensors, tokenizer); unset (or '', as "
+        "`--set model.path=` unsets it): a random model of `size` generated into the run directory",
     )
     family: Literal["llama", "qwen2", "qwen3"] = Field("qwen3", description="generated model's architecture")
     size: Literal["tiny", "small", "base"] = Field(
@@ -56,7 +56,7 @@ class ModelSource(BaseModel):
     @field_validator("path")
     @classmethod
     def _exists(cls, v: str | None) -> str | None:
-        if v is None:
+        if not v:
             return None
         v = str(Path(v).expanduser())  # validated and loaded as the same folder
         if not (Path(v) / "config.json").is_file():

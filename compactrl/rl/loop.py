@@ -120,6 +120,13 @@ class TrainConfig(BaseModel):
     )
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every this many steps, and at the last")
     eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="also evaluate every this many RL steps (0: off), on the same eval_episodes; the "
+        "step's metrics row gets eval_success and eval_reward, and every row has wall_s, the run's "
+        "wall-clock so far with evaluations left out (a learning curve against time)",
+    )
     eval_controls: list[Literal["full", "reprefill", "stream"]] = Field(
         [],
         description="also evaluate the final policy on the same held-out episodes in these modes, as "
@@ -139,6 +146,8 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sft(self):
+        if self.eval_every and not self.eval_episodes:
+            raise ValueError(f"eval_every = {self.eval_every} needs eval_episodes > 0 (how many to play)")
         if self.sft_steps > self.steps:
             raise ValueError(f"sft_steps {self.sft_steps} > steps {self.steps}: steps counts SFT steps too")
         if self.objective == "sft" and self.strategy.name != "evict_steps":
@@ -317,8 +326,7 @@ def train(
     loaded = _resume_point(run_dir, model, trainer, modules) if resume else {"step": 0, "state": {}}
     start = loaded["step"]
     data_position = loaded["state"].get("data_position", start)  # the last batch of env seeds trained on
-    earlier_wall = loaded["state"].get("wall_s", 0.0)  # the run's time up to that checkpoint
-    earlier_cpu = loaded["state"].get("cpu_s", 0.0)
+    earlier = loaded["state"]  # the run's time up to that checkpoint (wall_s leaves evaluations out)
     if start > cfg.steps:
         raise RunDirError(
             f"steps = {cfg.steps} but the run's checkpoint is at step {start}: resume with steps >= {start}"
@@ -331,19 +339,34 @@ def train(
     summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
     last: dict = summary.get("last_step", {}) if start == cfg.steps else {}
     clock = (time.perf_counter(), time.process_time())
+    evaluating = [0.0]  # seconds of this part spent in evaluations
     sampler = None
 
+    def times() -> dict:
+        eval_s = earlier.get("eval_s", 0.0) + evaluating[0]
+        wall = earlier.get("wall_s", 0.0) + time.perf_counter() - clock[0] - evaluating[0]
+        return {
+            "wall_s": wall,
+            "eval_s": eval_s,
+            "cpu_s": earlier.get("cpu_s", 0.0) + time.process_time() - clock[1],
+        }
+
+    def record_eval(when: str) -> dict:
+        t = time.perf_counter()
+        stats = _record_eval(cfg, engine, summary, when)
+        evaluating[0] += time.perf_counter() - t
+        return stats
+
     def checkpoint(step: int) -> Path:
-        state = {"data_position": data_position, "wall_s": earlier_wall + time.perf_counter() - clock[0],
-                 "cpu_s": earlier_cpu + time.process_time() - clock[1]}  # fmt: skip
+        state = {"data_position": data_position, **times()}
         return save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules, tokenizer_dir=source)
 
     try:
         with _finish_step_on_interrupt() as interrupted:
             for step in range(start + 1, cfg.steps + 1):
-                t0 = time.perf_counter()
                 if step == cfg.sft_steps + 1 and cfg.eval_episodes:
-                    _record_eval(cfg, engine, summary, "before")
+                    record_eval("before")
+                t0 = time.perf_counter()
                 for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
                     group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
                 if step <= cfg.sft_steps or cfg.objective == "sft":  # demonstrations, the same optimizer
@@ -358,6 +381,14 @@ def train(
                         sampler = BackgroundSampler(cfg, model, engine.tokenizer, fmt, strategy, first)
                     last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, sampler, t0)
                     data_position = sampler.next_index - 1 if sampler is not None else step
+                last["wall_s"] = times()["wall_s"]
+                rl_step, stats = step - cfg.sft_steps, None
+                if cfg.eval_episodes and step == cfg.steps:
+                    stats = record_eval("after")
+                elif cfg.eval_every and rl_step > 0 and rl_step % cfg.eval_every == 0:
+                    stats = record_eval("during")
+                if stats is not None and cfg.eval_every:
+                    last |= {"eval_success": stats["success_rate"], "eval_reward": stats["mean_reward"]}
                 monitor.log(last)
                 saved = checkpoint(step) if step % cfg.checkpoint_every == 0 or step == cfg.steps else None
                 if on_step is not None:
@@ -369,21 +400,20 @@ def train(
         if sampler is not None:
             sampler.close()
         monitor.close()
-    if cfg.eval_episodes and start < cfg.steps:
-        _record_eval(cfg, engine, summary, "after")
-    part = time.perf_counter() - clock[0]
-    summary["wall_s"] = earlier_wall + part  # the whole run, all resumed parts (to the last checkpoint)
-    summary["wall_s_this_part"] = part
-    summary["cpu_s"] = earlier_cpu + time.process_time() - clock[1]  # likewise
+    summary |= times()  # the whole run, all resumed parts (to the last checkpoint), evaluations apart
+    summary["wall_s_this_part"] = time.perf_counter() - clock[0]
     summary["last_step"] = last
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return last
 
 
-def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> None:
-    """Greedy held-out evaluation as RL starts (``before``) and when training ends (``after``);
-    for the recall task its success rate is the post-eviction recall accuracy."""
+def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> dict:
+    """Greedy held-out evaluation as RL starts (``before``), every ``eval_every`` steps (``during``:
+    the metrics row keeps it) and when training ends (``after``); for the recall task its success
+    rate is the post-eviction recall accuracy."""
     stats, _ = _held_out(cfg, engine, cfg.eval_episodes, greedy=True)
+    if when == "during":
+        return stats
     summary[f"eval_{when}"] = stats
     if cfg.env.name == "recall":
         summary[f"recall_accuracy_{when}"] = stats["success_rate"]
@@ -391,6 +421,7 @@ def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> None:
         stats, _ = _held_out(cfg.model_copy(update={"mode": mode}), engine, cfg.eval_episodes, greedy=True)
         summary[f"eval_after_{mode}"] = stats
     (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary[f"eval_{when}"]
 
 
 def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, step: int, sampler, t0) -> dict:
