@@ -142,11 +142,17 @@ def _train(config: str, sets: list[str], run_dir: Path, steps: int, log: Path) -
     return _cli(["train", config, *(x for s in sets for x in ("--set", s)), *resume], log)
 
 
-def _step_seconds(run_dir: Path) -> dict:
-    """The run's generation and training seconds, summed over its steps' metrics rows."""
+def _step_totals(run_dir: Path) -> dict:
+    """The run's generation and training seconds summed over its steps, and the mean tokens per
+    rollout of its RL steps: distinct (``tokens``, what one stream holds) and fed again
+    (``reprefilled_tokens``), whose ratio is the cost model's re-prefill overhead."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    total = {
         k: sum(r.get(key, 0.0) for r in rows) for k, key in (("gen_s", "generate_s"), ("train_s", "train_s"))
+    }
+    return total | {
+        k: sum(r[k] for r in rl) / len(rl) if rl else None for k in ("tokens", "reprefilled_tokens")
     }
 
 
@@ -177,7 +183,7 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
     row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
             "episodes": stats["episodes"], "errors": stats["errors"], "checkpoint": stats["checkpoint"],
-            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), **_step_seconds(Path(cfg.out)),
+            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), **_step_totals(Path(cfg.out)),
             "seeds": 1, "seed": cfg.seed, "steps": cfg.steps, "config": config,
             "set": sets[:-1] + ev.set}  # fmt: skip
     return row

@@ -103,6 +103,9 @@ def test_a_later_stage_starts_from_an_earlier_runs_checkpoint_and_rows_can_be_pe
         assert {"final_success", "final_stderr", "full_success", "full_stderr"} <= set(r)
         assert "eval" not in r and "accuracy" not in r
         assert r["gen_s"] > 0 and r["train_s"] > 0 and r["wall_s"] >= r["gen_s"] + r["train_s"]
+    by_run = {r["run"]: r for r in rows}  # the re-prefill overhead, in tokens per rollout
+    assert by_run["tuned_reprefill"]["reprefilled_tokens"] > 0 == by_run["tuned_stream"]["reprefilled_tokens"]
+    assert by_run["tuned_stream"]["tokens"] > 0
     base = tmp_path / "runs" / "base" / "checkpoints" / "step_00000002" / "model" / "model.safetensors"
     tuned = json.loads((tmp_path / "runs" / "tuned_stream" / "config.json").read_text())
     assert tuned["model"]["path"] == str(base.parent) and base.is_file()
