@@ -203,6 +203,10 @@ def eval_cmd(
     name: Annotated[
         str | None, typer.Option(help="Name this evaluation (e.g. another env variant): its own result file.")
     ] = None,
+    traces: Annotated[
+        bool,
+        typer.Option("--traces", help="Also keep the episodes' traces (.traces.jsonl beside the result)."),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Evaluate a policy on held-out episodes without training; one result file per checkpoint."""
@@ -216,7 +220,7 @@ def eval_cmd(
     if checkpoint is not None and not checkpoint.exists():
         fail(f"--checkpoint {checkpoint} does not exist")
     try:
-        result = evaluate(cfg, checkpoint, episodes, greedy, name)
+        result = evaluate(cfg, checkpoint, episodes, greedy, name, traces)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     except OSError as e:

@@ -11,6 +11,7 @@ from compactrl.models.loading import load_model
 from compactrl.models.tokenizer import Tokenizer
 from compactrl.rl.checkpoint import latest_checkpoint
 from compactrl.rl.loop import TrainConfig, evaluate, train
+from compactrl.trace import load_traces
 
 QUICK = ["steps=8", "prompts=2", "group_size=4", "checkpoint_every=2"]
 
@@ -31,6 +32,11 @@ def test_quickstart_reward_rises(tmp_path):
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["initial.json", "step_00000010.json"]
     saved = json.loads(Path(after["path"]).read_text())
     assert saved["mean_reward"] == after["mean_reward"] and len(saved["episode_metrics"]) == 8
+    kept = evaluate(cfg, tmp_path, episodes=3, name="kept", traces=True)  # what the policy wrote, kept
+    traces = load_traces(Path(kept["path"]).with_suffix(".traces.jsonl"))
+    assert len({t.meta.get("episode", t.rollout_id) for t in traces}) >= 1 and all(
+        t.trainable.any() for t in traces
+    )
     # a checkpoint's model folder is whole: a later run can start from it (model.path)
     start = load_config(TrainConfig, None, [f"model.path={latest_checkpoint(tmp_path) / 'model'}"])
     ours, theirs = (Tokenizer.from_dir(d) for d in (tmp_path / "model", start.model.folder(tmp_path)))

@@ -55,6 +55,7 @@ from compactrl.rl.monitor import LogSettings, Monitor, check_log_settings, note
 from compactrl.rl.run_dir import RunDirError, open_run_dir
 from compactrl.rl.sampler import BackgroundSampler, sample_batch
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
+from compactrl.trace import save_traces
 
 
 class TrainConfig(BaseModel):
@@ -528,11 +529,13 @@ def evaluate(
     episodes: int = 32,
     greedy: bool = False,
     name: str | None = None,
+    traces: bool = False,
 ) -> dict:
     """Run ``episodes`` held-out episodes (env seeds disjoint from training's) with the run's initial
     model, a checkpoint's, or a run folder's newest checkpoint, without training. Each checkpoint
     (and decoding, and ``name`` when given: another env variant or mode) keeps its own result:
-    ``run_dir/eval/<checkpoint>[-greedy][-<name>].json``."""
+    ``run_dir/eval/<checkpoint>[-greedy][-<name>].json``; ``traces`` also keeps the episodes'
+    traces beside it (``.traces.jsonl``, for ``compactrl trace show``: what the policy wrote)."""
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out)
     ckpt = None
@@ -550,4 +553,6 @@ def evaluate(
     path = run_dir / "eval" / f"{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result | {"episode_metrics": [r.metrics() for r in results]}, indent=1) + "\n")
+    if traces:
+        save_traces(path.with_suffix(".traces.jsonl"), [t for r in results for t in r.traces])
     return result | {"path": str(path)}
