@@ -49,6 +49,7 @@ class EvalSpec(BaseModel):
     set: list[str] = Field([], description="--set overrides of the run's config for this evaluation")
     episodes: int = Field(128, ge=1)
     greedy: bool = True
+    traces: bool = Field(False, description="keep the episodes' traces beside the result (eval --traces)")
 
 
 class StudyConfig(BaseModel):
@@ -176,7 +177,8 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
     if not path.is_file():
         args = ["eval", config, *(x for s in [*sets, *ev.set] for x in ("--set", s)), "--checkpoint",
                 str(ckpt), "--episodes", str(ev.episodes), "--name", f"study-{ev.name}"]  # fmt: skip
-        if _cli([*args, *(["--greedy"] if ev.greedy else [])], log) != 0 or not path.is_file():
+        flags = [*(["--greedy"] if ev.greedy else []), *(["--traces"] if ev.traces else [])]
+        if _cli([*args, *flags], log) != 0 or not path.is_file():
             raise RuntimeError(f"run {name}: evaluation {ev.name} failed; see {log}")
     stats = json.loads(path.read_text())
     data = json.loads(cfg.model_dump_json())

@@ -84,6 +84,7 @@ grid = {{ mode = ["stream", "reprefill"] }}
 [[eval]]
 name = "final"
 episodes = 2
+traces = true
 
 [[eval]]
 name = "full"
@@ -103,6 +104,10 @@ def test_a_later_stage_starts_from_an_earlier_runs_checkpoint_and_rows_can_be_pe
         assert {"final_success", "final_stderr", "full_success", "full_stderr"} <= set(r)
         assert "eval" not in r and "accuracy" not in r
         assert r["gen_s"] > 0 and r["train_s"] > 0 and r["wall_s"] >= r["gen_s"] + r["train_s"]
+    kept = tmp_path / "runs" / "tuned_stream" / "eval" / "step_00000001-greedy-study-final.traces.jsonl"
+    assert kept.is_file() and not list(
+        (tmp_path / "runs" / "tuned_stream" / "eval").glob("*full.traces.jsonl")
+    )
     by_run = {r["run"]: r for r in rows}  # the re-prefill overhead, in tokens per rollout
     assert by_run["tuned_reprefill"]["reprefilled_tokens"] > 0 == by_run["tuned_stream"]["reprefilled_tokens"]
     assert by_run["tuned_stream"]["tokens"] > 0
