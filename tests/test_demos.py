@@ -1,6 +1,7 @@
 """Demonstration traces: the runner's exact token layout, and SFT that learns from them."""
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -77,3 +78,62 @@ def test_sft_on_demos_raises_their_likelihood(tmp_path):
             )
 
     assert nll(model) < 0.7 * nll(before)
+
+
+def play_demos(tmp_path, mode, strategy, seeds=(0, 1)):
+    """Demonstration episodes played by the rollout runner (the env writes every answer)."""
+    import asyncio
+
+    from compactrl.agent.batch import run_episodes
+    from compactrl.agent.rollout import RolloutSettings
+    from compactrl.engine import Engine
+
+    folder = tmp_path / "m"
+    if not (folder / "config.json").exists():
+        write_tiny_model(folder)
+    tok = Tokenizer.from_dir(folder)
+    engine, fmt = Engine(load_model(folder), tok), ChatFormat.from_tokenizer(tok)
+    make = lambda: RoomsEnv(n_rooms=6, filler=2)  # noqa: E731
+    settings = RolloutSettings(max_tokens=8)
+    return fmt, asyncio.run(
+        run_episodes(engine, fmt, make, strategy, mode, settings, list(seeds), 2, demo=True)
+    )
+
+
+def test_runner_demos_equal_the_full_context_demo_traces(tmp_path):
+    """With full context the runner renders a demonstration token for token as demo_trace does."""
+    fmt, results = play_demos(tmp_path, "full", None)
+    for r in results:
+        (t,) = r.traces
+        ref = demo_trace(fmt, RoomsEnv(n_rooms=6, filler=2), r.seed)
+        assert np.array_equal(t.tokens, ref.tokens) and np.array_equal(t.trainable, ref.trainable)
+        assert r.reward == 1.0 and np.all(t.logprobs[t.trainable] == 0.0)
+
+
+def test_runner_demos_under_summary_compaction_stream_and_reprefill(tmp_path):
+    """Under summary compaction the env writes each summary (one visible room's code word); the
+    stream evicts the summarised rooms, re-prefill re-renders them away, and both train the same
+    demonstrated tokens in the same order."""
+    from compactrl.compaction import Summary, build_strategy
+
+    strategy = build_strategy(Summary(trigger="every", every=3, tail=1, max_tokens=12))
+    fmt, stream = play_demos(tmp_path, "stream", strategy)
+    _, reprefill = play_demos(tmp_path, "reprefill", strategy)
+    for s, r in zip(stream, reprefill, strict=True):
+        assert s.reward == r.reward == 1.0 and s.compactions == r.compactions == 2
+        (t,) = s.traces
+        assert len(r.traces) == 3 and t.num_evicted > 0  # a segment per compaction
+        taught = [fmt.tokenizer.decode(x.tokens[x.trainable].tolist()) for x in r.traces]
+        assert fmt.tokenizer.decode(t.tokens[t.trainable].tolist()) == "".join(taught)
+        role = np.array(t.role)
+        summaries = fmt.tokenizer.decode(t.tokens[(role == "summary") & t.trainable].tolist())
+        env = RoomsEnv(n_rooms=6, filler=2)
+        env.reset(s.seed)
+        said = re.findall(r"Room (\d): ([a-z]+)", summaries)
+        assert len(said) == 2 and all(env.codes[int(k) - 1] == word for k, word in said)
+        first = int(said[0][0])
+        assert 1 <= first <= 4  # a room the context showed: rooms 1-3 and room 4, the newest
+    from compactrl.compaction import PickTurns
+
+    with pytest.raises(ValueError, match="no demonstration for the pick"):
+        play_demos(tmp_path, "stream", build_strategy(PickTurns(trigger="every", every=3)))

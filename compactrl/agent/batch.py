@@ -121,9 +121,11 @@ async def run_episodes(
     concurrency: int,
     advance: Callable[[], None] = lambda: None,
     sample_seeds: list[int] | None = None,
+    demo: bool = False,
 ) -> list[EpisodeResult]:
     """Run one episode per seed, ``concurrency`` at a time; results in seed order. ``sample_seeds``
-    (default: the env seeds) seed the sampling, so a group of rollouts can share an env seed."""
+    (default: the env seeds) seed the sampling, so a group of rollouts can share an env seed;
+    ``demo``: the env writes every answer (SFT demonstrations, rendered as rollouts are)."""
     sample_seeds = seeds if sample_seeds is None else sample_seeds
     gate = asyncio.Semaphore(concurrency)
 
@@ -132,7 +134,7 @@ async def run_episodes(
             env = make()
             try:
                 return await Episode(
-                    engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i]
+                    engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i], demo
                 ).run()
             finally:
                 try:

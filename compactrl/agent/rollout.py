@@ -127,6 +127,7 @@ class Episode:
         seed: int,
         episode: int = 0,
         sample_seed: int | None = None,
+        demo: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
@@ -146,6 +147,9 @@ class Episode:
         self.origin = 0  # next origin id
         self.next_id = 0
         self.messages = 0  # seeds each generation: same seeds in every mode
+        self.demo = demo  # the env writes every answer (demo_action, demo_summary): an SFT demonstration
+        self.demo_spans: list[tuple[int, int, int]] = []  # (session, start, end) of the env's answers
+        self.ctx: Context | None = None  # the compaction being answered
 
     # ---- stream building ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -187,14 +191,38 @@ class Episode:
         )  # fmt: skip
         self.messages += 1
         start = len(self.session.tokens)
-        gen = await self.session.agenerate(params, role=role, turn=turn)
-        toks = list(gen.tokens)
-        self._record(owner, toks, start, turn)
+        if self.demo:
+            toks = self._demonstrated(role, max_tokens)
+            self._add(owner, toks, role, turn)
+            self.demo_spans.append((len(self.sessions), start, start + len(toks)))
+        else:
+            gen = await self.session.agenerate(params, role=role, turn=turn)
+            toks = list(gen.tokens)
+            self._record(owner, toks, start, turn)
+            if gen.finish_reason == "position_limit":
+                raise _AtPositionLimit
         self.last_generated = start + len(toks) - 1
-        if gen.finish_reason == "position_limit":
-            raise _AtPositionLimit
         self._add(owner, self.chat.close(toks), role, turn)
         self.result.generated_tokens += len(toks)
+        return toks
+
+    def _demonstrated(self, role: str, max_tokens: int) -> list[int]:
+        """The env's answer, as the policy would write it (ending with the stop token)."""
+        if role == "summary":
+            if not hasattr(self.env, "demo_summary"):
+                raise ValueError(
+                    f"demonstrations under summary compaction need {self.env.name}.demo_summary()"
+                )
+            text = self.env.demo_summary(self.ctx.steps)
+        elif self.ctx is not None:
+            raise ValueError(f"no demonstration for the {self.strategy.name} strategy's question")
+        else:
+            text = self.env.demo_action()
+        toks = self.fmt.tokenizer.encode(text) + [self.fmt.stop_ids[0]]
+        if len(toks) > max_tokens:
+            raise ValueError(
+                f"the demonstration {text!r} is {len(toks)} tokens, over the {max_tokens} allowed"
+            )
         return toks
 
     def _step_view(self, sid: int) -> StepView:
@@ -214,7 +242,9 @@ class Episode:
         answer_ids: list[int] = []
         if req is not None:
             self._message(AUX, "user", req.prompt)
+            self.ctx = ctx
             answer_ids = await self._generate(AUX, req.role, req.max_tokens)
+            self.ctx = None
         answer = self.fmt.text(answer_ids) if req is not None else None
         decision: Decision = plan.decide(ctx, answer)
         self.result.pick_fallbacks += int(decision.fallback)
@@ -260,7 +290,8 @@ class Episode:
         r, s, fmt = self.result, self.settings, self.fmt
         try:
             self._new_session()
-            reset = await guarded(self.env, "reset", self.seed, s.env_timeout_s)
+            begin = "demo_reset" if self.demo and hasattr(self.env, "demo_reset") else "reset"
+            reset = await guarded(self.env, begin, self.seed, s.env_timeout_s)
             system = s.system if s.system is not None else reset.system
             if system:  # "" = no system message (TOML has no null)
                 self._message(HEAD, "system", system)
@@ -325,6 +356,8 @@ class Episode:
             r.evicted_tokens += m.evicted_tokens
             r.preemptions += m.preemptions
             t = sess.trace()
+            for _, a, b in [span for span in self.demo_spans if span[0] == i]:
+                t.trainable[a:b], t.logprobs[a:b] = True, 0.0  # the demonstration is what SFT learns
             if self.mode == "reprefill":
                 t.segment[:] = i
             t.meta = {"env": r.env, "seed": r.seed, "mode": r.mode, "strategy": r.strategy,

@@ -24,6 +24,7 @@ FILLER = (
     "a narrow door, a cold hearth, a brass key hook, a pile of letters, a quiet draft, a low beam"
 ).split(", ")
 _ANSWER = re.compile(r"Code:\s*([A-Za-z]+)", re.IGNORECASE)
+_REMEMBERED = re.compile(r"Room (\d+): (?:[^\n]*?code word here is )?([a-z]+)")  # a room, or a summary of one
 # No system message by default: `bench modes` (README numbers) and configs/train/rooms_window.toml
 # (a tiny model trained from scratch) run these exact streams. For an instruct model, e.g. this:
 SUGGESTED_SYSTEM = (
@@ -60,6 +61,7 @@ class RoomsEnv:
 
     def reset(self, seed: int) -> Reset:
         self.rng = random.Random(seed)
+        self.summaries = random.Random(f"rooms/summary/{seed}")  # apart: the rooms stay as they are
         self.codes = [self.rng.choice(WORDS) for _ in range(self.n_rooms)]
         self.room = 1
         task = (
@@ -85,6 +87,16 @@ class RoomsEnv:
     def demo_action(self) -> str:
         """The correct action now: 'next' through the rooms, then the asked-for code word."""
         return "next" if self.room <= self.n_rooms else f"Code: {self.codes[self.query_room - 1]}"
+
+    def demo_summary(self, steps) -> str:
+        """A summary for SFT under summary compaction: one room's code word, ``Room k: <word>``, of a
+        room drawn uniformly from those the context still shows (rooms, and earlier such summaries).
+        It teaches the summary's form, not which room matters: that is left to RL."""
+        seen = dict(_REMEMBERED.findall(" ".join(s.text for s in steps)))
+        if not seen:
+            raise ValueError("no room is visible to summarise")
+        k = self.summaries.choice(sorted(seen, key=int))
+        return f"Room {k}: {seen[k]}"
 
     def close(self) -> None:
         pass

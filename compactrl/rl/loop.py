@@ -144,6 +144,12 @@ class TrainConfig(BaseModel):
     log: LogSettings = LogSettings()
     sft_steps: int = Field(0, ge=0, description="the first steps are SFT on full-context demonstrations")
     sft_lr: float | None = Field(None, gt=0, description="learning rate of the SFT warm-up (None: train.lr)")
+    sft_demos: Literal["full", "strategy"] = Field(
+        "full",
+        description="the warm-up's demonstrations — full: with full context; strategy: played by the "
+        "rollout runner under the run's strategy and mode, the env writing every answer (its "
+        "demo_action, and demo_summary for summaries), so SFT sees the compacted layout RL samples",
+    )
 
     @model_validator(mode="after")
     def _sft(self):
@@ -151,10 +157,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"eval_every = {self.eval_every} needs eval_episodes > 0 (how many to play)")
         if self.sft_steps > self.steps:
             raise ValueError(f"sft_steps {self.sft_steps} > steps {self.steps}: steps counts SFT steps too")
-        if self.objective == "sft" and self.strategy.name != "evict_steps":
+        if self.objective == "sft" and self.strategy.name != "evict_steps" and self.sft_demos == "full":
             raise ValueError(
-                "objective = 'sft' replays the evict_steps strategy on demonstrations; "
-                "set strategy.name = 'evict_steps'"
+                "objective = 'sft' replays the evict_steps strategy on full-context demonstrations; "
+                "set strategy.name = 'evict_steps', or sft_demos = 'strategy' (demonstrations played "
+                "under the run's strategy)"
             )
         return self
 
@@ -234,17 +241,31 @@ def _reference(cfg: TrainConfig, model, run_dir: Path, fresh: bool):
     return load_model(folder, dtype=cfg.model.dtype).eval().requires_grad_(False)
 
 
-def _sft_step(cfg: TrainConfig, fmt: ChatFormat, trainer: Trainer, step: int, env_seeds: list[int],
-              evicted: bool) -> dict:  # fmt: skip
+def _sft_step(cfg: TrainConfig, engine, fmt: ChatFormat, strategy, trainer: Trainer, step: int,
+              env_seeds: list[int]) -> dict:  # fmt: skip
+    """SFT on demonstrations: full-context ones (``evict_steps``' evictions replayed after the
+    warm-up, objective ``sft``), or with ``sft_demos = "strategy"`` played by the rollout runner."""
     env = make_env(cfg.env)
     if not hasattr(env, "demo_action"):
         raise ValueError(f"sft_steps needs demonstrations; the {cfg.env.name} env has no demo_action()")
-    evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if evicted else None
+    evicted = step > cfg.sft_steps
     seeds = [s * cfg.group_size + g for s in env_seeds for g in range(cfg.group_size)]
-    traces = [demo_trace(fmt, env, s, evict, cfg.rollout.system) for s in seeds]
-    stats = trainer.step(
-        [Sample(t, np.zeros(len(t), np.float32), i) for i, t in enumerate(traces)], loss="sft"
-    )
+    if cfg.sft_demos == "strategy":
+        make = lambda: make_env(cfg.env)  # noqa: E731
+        played = run_episodes(
+            engine, fmt, make, strategy, cfg.mode, cfg.rollout, seeds, len(seeds), demo=True
+        )
+        results = asyncio.run(played)
+        engine.sessions = [s for s in engine.sessions if not s.closed]
+        failed = [r for r in results if r.error or r.truncated]
+        if failed:
+            raise ValueError(f"a demonstration (env seed {failed[0].seed}) did not finish: "
+                             f"{failed[0].error or 'truncated at rollout.max_turns'}")  # fmt: skip
+        traces = [(t, i) for i, r in enumerate(results) for t in r.traces]  # reprefill: a trace a segment
+    else:
+        evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if evicted else None
+        traces = [(demo_trace(fmt, env, s, evict, cfg.rollout.system), i) for i, s in enumerate(seeds)]
+    stats = trainer.step([Sample(t, np.zeros(len(t), np.float32), i) for t, i in traces], loss="sft")
     keep = ("loss", "grad_norm", "trained_tokens", "train_s")
     return {"step": step, "phase": "sft_evicted" if evicted else "sft", **{k: stats[k] for k in keep}}
 
@@ -372,7 +393,7 @@ def train(
                     group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
                 if step <= cfg.sft_steps or cfg.objective == "sft":  # demonstrations, the same optimizer
                     env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
-                    last = _sft_step(cfg, fmt, trainer, step, env_seeds, evicted=step > cfg.sft_steps)
+                    last = _sft_step(cfg, engine, fmt, strategy, trainer, step, env_seeds)
                     data_position = step
                 else:
                     if (cfg.train.kl_ref or cfg.objective == "distill") and trainer.reference is None:
