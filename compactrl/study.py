@@ -167,7 +167,7 @@ def _stderr(stats: dict) -> float:
 
 
 def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec, ckpt: Path,
-              summary: dict, log: Path) -> dict:  # fmt: skip
+              summary: dict, totals: dict, log: Path) -> dict:  # fmt: skip
     """The row of one evaluation of the run's checkpoint ``ckpt`` (read back if done before)."""
     from compactrl.rl.loop import TrainConfig
 
@@ -185,7 +185,7 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
     row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
             "episodes": stats["episodes"], "errors": stats["errors"], "checkpoint": stats["checkpoint"],
-            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), **_step_totals(Path(cfg.out)),
+            "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), **totals,
             "seeds": 1, "seed": cfg.seed, "steps": cfg.steps, "config": config,
             "set": sets[:-1] + ev.set}  # fmt: skip
     return row
@@ -232,9 +232,10 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
             return None
         ckpt = resolve_checkpoint(cfg.out)  # checked once; each evaluation loads it
         summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+        totals = _step_totals(Path(cfg.out))  # read once, for every evaluation's row
         rows = []
         for ev in study.eval:
-            rows.append(_evaluate(study, name, config, sets, ev, ckpt, summary, log))
+            rows.append(_evaluate(study, name, config, sets, ev, ckpt, summary, totals, log))
             echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
         if study.rows == "per_run":
             rows = [_per_run(rows)]

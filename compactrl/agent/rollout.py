@@ -149,7 +149,6 @@ class Episode:
         self.messages = 0  # seeds each generation: same seeds in every mode
         self.demo = demo  # the env writes every answer (demo_action, demo_summary): an SFT demonstration
         self.demo_spans: list[tuple[int, int, int]] = []  # (session, start, end) of the env's answers
-        self.ctx: Context | None = None  # the compaction being answered
 
     # ---- stream building ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -180,8 +179,11 @@ class Episode:
         turn = len(self.chat.messages)
         self._add(owner, self.chat.message(role, text), role, turn)
 
-    async def _generate(self, owner: int, role: str, max_tokens: int) -> list[int]:
-        """Generation prompt, generation, close; returns the generated ids."""
+    async def _generate(
+        self, owner: int, role: str, max_tokens: int, ctx: Context | None = None
+    ) -> list[int]:
+        """Generation prompt, generation, close; returns the generated ids. ``ctx``: the compaction
+        whose question this answers."""
         s, turn = self.settings, len(self.chat.messages)
         self._add(owner, self.chat.prompt(), role, turn)
         params = SamplingParams(
@@ -192,7 +194,7 @@ class Episode:
         self.messages += 1
         start = len(self.session.tokens)
         if self.demo:
-            toks = self._demonstrated(role, max_tokens)
+            toks = self._demonstrated(role, max_tokens, ctx)
             self._add(owner, toks, role, turn)
             self.demo_spans.append((len(self.sessions), start, start + len(toks)))
         else:
@@ -206,15 +208,15 @@ class Episode:
         self.result.generated_tokens += len(toks)
         return toks
 
-    def _demonstrated(self, role: str, max_tokens: int) -> list[int]:
+    def _demonstrated(self, role: str, max_tokens: int, ctx: Context | None) -> list[int]:
         """The env's answer, as the policy would write it (ending with the stop token)."""
         if role == "summary":
             if not hasattr(self.env, "demo_summary"):
                 raise ValueError(
                     f"demonstrations under summary compaction need {self.env.name}.demo_summary()"
                 )
-            text = self.env.demo_summary(self.ctx.steps)
-        elif self.ctx is not None:
+            text = self.env.demo_summary(ctx.steps)
+        elif ctx is not None:
             raise ValueError(f"no demonstration for the {self.strategy.name} strategy's question")
         else:
             text = self.env.demo_action()
@@ -242,9 +244,7 @@ class Episode:
         answer_ids: list[int] = []
         if req is not None:
             self._message(AUX, "user", req.prompt)
-            self.ctx = ctx
-            answer_ids = await self._generate(AUX, req.role, req.max_tokens)
-            self.ctx = None
+            answer_ids = await self._generate(AUX, req.role, req.max_tokens, ctx)
         answer = self.fmt.text(answer_ids) if req is not None else None
         decision: Decision = plan.decide(ctx, answer)
         self.result.pick_fallbacks += int(decision.fallback)
