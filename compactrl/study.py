@@ -208,17 +208,14 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from e
     every = expand(study)
-    runs = [r for r in every if not only or r[0] in only]
-    if only and len(runs) < len(set(only)):
-        raise ConfigError(f"--only {sorted(set(only) - {r[0] for r in runs})}: no such run in {path}")
+    by_name = {r[0]: r for r in every}
+    if only and set(only) - set(by_name):
+        raise ConfigError(f"--only {sorted(set(only) - set(by_name))}: no such run in {path}")
+    runs = [by_name[n] for n in dict.fromkeys(only)] if only else every  # --only's order: longest first
     from compactrl.rl.loop import TrainConfig
 
     Path(study.out).mkdir(parents=True, exist_ok=True)
     results = Path(study.results)
-    table: dict[str, list[dict]] = {}
-    if results.is_file():  # earlier rows, replaced run by run
-        for row in json.loads(results.read_text())["rows"]:
-            table.setdefault(row["run"], []).append(row)
     lock = threading.Lock()
 
     def one(run) -> list[dict] | None:
@@ -239,7 +236,11 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
             echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
         if study.rows == "per_run":
             rows = [_per_run(rows)]
-        with lock:
+        with lock:  # re-read: rows another study process wrote meanwhile are kept
+            table: dict[str, list[dict]] = {}
+            if results.is_file():
+                for row in json.loads(results.read_text())["rows"]:
+                    table.setdefault(row["run"], []).append(row)
             table[name] = rows
             order = [r[0] for r in every]
             ordered = [row for n in sorted(table, key=lambda n: order.index(n) if n in order else len(order))
