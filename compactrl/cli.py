@@ -940,7 +940,9 @@ def config_reference_cmd(
 @app.command("study")
 def study_cmd(
     config: Annotated[Path, typer.Argument(help="A study config (TOML): [[run]] grids and [[eval]]s.")],
-    only: Annotated[list[str] | None, typer.Option(help="Only these runs, in the order given (repeatable).")] = None,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Only these runs, in the order given (repeatable).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Train a grid of runs (resumably, several at once) and evaluate each several ways; one JSON of rows."""

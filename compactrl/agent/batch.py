@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import Episode, EpisodeResult, RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
+from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import EnvConfig, RoomsConfig, make_env
 from compactrl.models.loading import DTYPES
@@ -75,6 +76,11 @@ class RolloutConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     env: EnvConfig = RoomsConfig()
     strategy: StrategyConfig = SlidingWindow()
+    evictor: EvictorConfig | None = Field(
+        None,
+        description="a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, "
+        "knorm; see compactrl.compaction.evictors), alone or with the strategy",
+    )
     mode: Literal["full", "reprefill", "stream"] = Field(
         "stream",
         description="full: no compaction; stream: compaction evicts KV in place, one trace per "
@@ -89,8 +95,15 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _recall_needs_its_eviction(self):
-        if self.env.name == "recall" and self.mode != "full" and self.strategy.name != "evict_steps":
-            raise ValueError("the recall env evicts its assignment with strategy.name = 'evict_steps'")
+        check_mode(self.evictor, self.mode)
+        if (
+            self.env.name == "recall"
+            and self.mode != "full"
+            and self.strategy.name != "evict_steps"
+            and self.evictor is None
+        ):
+            raise ValueError("the recall env evicts its assignment with strategy.name = 'evict_steps' "
+                             "(or an [evictor])")  # fmt: skip
         return self
 
 
@@ -122,6 +135,7 @@ async def run_episodes(
     advance: Callable[[], None] = lambda: None,
     sample_seeds: list[int] | None = None,
     demo: bool = False,
+    evictor=None,
 ) -> list[EpisodeResult]:
     """Run one episode per seed, ``concurrency`` at a time; results in seed order. ``sample_seeds``
     (default: the env seeds) seed the sampling, so a group of rollouts can share an env seed;
@@ -134,7 +148,7 @@ async def run_episodes(
             env = make()
             try:
                 return await Episode(
-                    engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i], demo
+                    engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i], demo, evictor
                 ).run()
             finally:
                 try:
@@ -161,7 +175,8 @@ def summarize(results: list[EpisodeResult]) -> dict:
 
     total = {k: int(sum(getattr(r, k) for r in results)) for k in (
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
-        "predicted_reprefilled_tokens", "kv_reads", "pick_fallbacks", "preemptions")}  # fmt: skip
+        "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
+        "preemptions")}  # fmt: skip
     return {
         "episodes": len(results),
         "errors": sum(r.error is not None for r in results),
@@ -200,6 +215,7 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
             seeds,
             cfg.concurrency,
             advance,
+            evictor=cfg.evictor,
         )
     )
     wall = time.perf_counter() - t0

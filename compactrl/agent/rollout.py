@@ -93,6 +93,7 @@ class EpisodeResult:
     peak_live_kv: int = 0
     kv_reads: int = 0
     evicted_tokens: int = 0
+    evictions: int = 0  # eviction calls (compactions in stream mode, a token evictor's)
     preemptions: int = 0
     pick_fallbacks: int = 0
     truncated: bool = False
@@ -128,12 +129,14 @@ class Episode:
         episode: int = 0,
         sample_seed: int | None = None,
         demo: bool = False,
+        evictor=None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
         self.engine, self.fmt, self.env, self.settings = engine, fmt, env, settings
         self.chat: Conversation = fmt.conversation()
         self.strategy = None if mode == "full" else strategy
+        self.evictor = evictor if mode == "stream" else None  # a token evictor runs in place only
         self.mode, self.seed = mode, seed
         self.sample_seed = seed if sample_seed is None else sample_seed  # a group: one env seed, many
         name = strategy.name if strategy and mode != "full" else "none"
@@ -156,6 +159,8 @@ class Episode:
             self.session.close()
             self.sessions.append(self.session)
         self.session = self.engine.session(self.rollout_id)
+        if self.evictor is not None:
+            self.session.use_evictor(self.evictor)
         self.origin_log.append([])
 
     def _record(self, owner: int, tokens: list[int], start: int, turn: int, origins: range | None = None):
@@ -227,10 +232,15 @@ class Episode:
             )
         return toks
 
+    def _live(self, p: _Piece) -> list[int]:
+        """Stream indices of a piece not evicted yet (a token evictor may have taken some)."""
+        ev = self.session.evict_at
+        return [j for j in range(p.start, p.start + len(p.tokens)) if ev[j] is None]
+
     def _step_view(self, sid: int) -> StepView:
         ps = [p for p in self.pieces if p.owner == sid]
         text = self.fmt.tokenizer.decode([t for p in ps for t in p.tokens], skip_special_tokens=True)
-        return StepView(sid, sum(len(p.tokens) for p in ps), text, self.kinds[sid])
+        return StepView(sid, sum(len(self._live(p)) for p in ps), text, self.kinds[sid])
 
     def _context(self, step: int, since: int, action: str, incoming: int) -> Context:
         head = sum(len(p.tokens) for p in self.pieces if p.owner == HEAD)
@@ -262,9 +272,9 @@ class Episode:
         self.pieces = [p for p in self.pieces if p.owner not in gone]
         self.result.compactions += 1
         if self.mode == "stream":
-            spans = [(p.start, p.start + len(p.tokens)) for p in dropped if p.tokens]
-            if spans:
-                self.session.evict(spans)
+            live = [j for p in dropped for j in self._live(p)]
+            if live:
+                self.session.evict(live)
         else:
             while self.session.unfed:  # the engine feeds the last tokens eagerly; let it finish, so
                 await asyncio.sleep(0)  # every kept token was computed once (the cost model's r)
@@ -296,6 +306,8 @@ class Episode:
             if system:  # "" = no system message (TOML has no null)
                 self._message(HEAD, "system", system)
             self._message(HEAD, "user", reset.task)
+            if self.session.evictor is not None:
+                self.session.evictor.head = len(self.session.tokens)  # the system/task head stays
             if reset.observation:
                 obs = reset.observation
                 if reset.observation_variants:
@@ -354,6 +366,7 @@ class Episode:
             r.peak_live_kv = max(r.peak_live_kv, m.peak_live_kv)
             r.kv_reads += m.kv_reads
             r.evicted_tokens += m.evicted_tokens
+            r.evictions += m.evictions
             r.preemptions += m.preemptions
             t = sess.trace()
             for _, a, b in [span for span in self.demo_spans if span[0] == i]:

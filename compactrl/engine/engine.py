@@ -18,6 +18,7 @@ after an update is recomputed with the new weights. From another thread (a train
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from dataclasses import asdict
@@ -145,6 +146,7 @@ class Engine:
         )
         child.drops = type(parent.drops)((e, list(idx)) for e, idx in parent.drops)
         child.pending_logits = None if parent.pending_logits is None else parent.pending_logits.clone()
+        child.evictor = copy.deepcopy(parent.evictor)
         if parent.row is not None:  # freeze the parent's row into a prefix both of them read
             seg = Segment(parent.row, self.kv.stream_index(parent.row).cpu().numpy().copy(), refs=2)
             self.segments.add(seg)
@@ -341,7 +343,8 @@ class Engine:
             entry = self._claim(s, n)
             pool_used = room - before + self._blocks(self.kv.used[s.row])
             done = s.fed + n == len(s.tokens)
-            feeds.append(Feed(s, s.tokens[s.fed : s.fed + n], s.fed, entry, s.row, s.chain, logits=done))
+            keep_q = s.evictor.keep(n) if s.evictor else 0
+            feeds.append(Feed(s, s.tokens[s.fed : s.fed + n], s.fed, entry, s.row, s.chain, done, keep_q))
             picked.add(s)
             budget -= n
         return feeds, pool_used
@@ -356,7 +359,12 @@ class Engine:
         s.fed += f.n
         if logits is not None:
             s.pending_logits = logits
+        if s.evictor:  # before this step's due drops: H2O sums attention over the keys it was paid to
+            s.evictor.observe(self, s, f)
         self._apply_drops(s)
+        if s.evictor:
+            s.evictor.after_feed(self, s, decoded=sampled if f.n == 1 else 0)
+            self._apply_drops(s)
 
     def run(self, until: list[Generation] | None = None) -> None:
         """Step until every session is idle (or the given generations are done)."""

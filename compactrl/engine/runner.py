@@ -9,7 +9,7 @@ prefix) attend per session, merging the prefix and own-row parts by log-sum-exp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,8 @@ class Feed:
     row: int
     chain: list  # [(Segment, mask)] of the session
     logits: bool  # compute logits after the last token
+    keep_q: int = 0  # hand over the last keep_q queries per layer (a session's token evictor)
+    queries: list = field(default_factory=list)  # [keep_q, H, D] per layer, post-RoPE
 
     @property
     def n(self) -> int:
@@ -131,6 +133,7 @@ def forward_step(
         if f.entry == 0 and not f.chain:
             by_len.setdefault(f.n, []).append(f)
     fresh = list(by_len.values())
+    capture = [f for f in feeds if f.keep_q]
     for f in rest:
         o = offsets[id(f)]
         kv.valid[f.row, f.entry : f.entry + f.n] = True
@@ -139,6 +142,9 @@ def forward_step(
     cos, sin = model.rope(positions[None], x.dtype)
     for li, layer in enumerate(model.model.layers):
         q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0], lin)  # [N, heads, D]
+        for f in capture:  # only sessions with a token evictor pay for this
+            end = offsets[id(f)] + f.n
+            f.queries.append(q[end - f.keep_q : end])
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
         K, V = kv.k[li], kv.v[li]
         if B:

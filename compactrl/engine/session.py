@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from compactrl.engine.evicting import EvictorState
 from compactrl.engine.kv_cache import Segment
 from compactrl.engine.sampling import SamplingParams, make_generator
 from compactrl.trace import NO_CURSOR, ROLES, Trace
@@ -71,6 +72,7 @@ class SessionMetrics:
     reprefilled_tokens: int = 0  # tokens fed again (recompute after preemption)
     evicted_tokens: int = 0
     kv_reads: int = 0  # sum over decode steps of the live KV attended
+    evictions: int = 0  # eviction calls (a compaction's, or a token evictor's)
     peak_live_kv: int = 0
     preemptions: int = 0
 
@@ -100,6 +102,7 @@ class Session:
         self._seg, self._new_segment = 0, False
         self.live = 0  # live (not evicted) fed-or-unfed tokens
         self.metrics = SessionMetrics()
+        self.evictor: EvictorState | None = None  # a token evictor the engine runs (use_evictor)
         self.admitted_at = 0  # scheduler tick of the last admission (LIFO preemption order)
         self.last_active = 0.0  # time.monotonic() of the last work (LRU displacement of idle sessions)
 
@@ -194,14 +197,30 @@ class Session:
             raise SessionError(f"token(s) {gone[:5]} were already evicted (at {self.evict_at[gone[0]]})")
         if not idx:
             return 0
-        for j in idx:
-            self.evict_at[j] = T
-        self.drops.append((T, sorted(idx)))
+        self.evict_now(sorted(idx))
         self._new_segment = True  # a compaction boundary: later tokens start a new segment
-        self.live -= len(idx)
-        self.metrics.evicted_tokens += len(idx)
         self.engine.wake(self)
         return len(idx)
+
+    def evict_now(self, idx: list[int]) -> None:
+        """Record the eviction of live stream indices (sorted) at ``e = len(stream)``; the engine
+        clears their KV once everything before ``e`` is fed. Used by :meth:`evict` and the engine's
+        token evictor."""
+        T = len(self.tokens)
+        for j in idx:
+            self.evict_at[j] = T
+        self.drops.append((T, idx))
+        self.live -= len(idx)
+        self.metrics.evicted_tokens += len(idx)
+        self.metrics.evictions += 1
+
+    def use_evictor(self, evictor, head: int = 0) -> Session:
+        """Have the engine run a token evictor (:mod:`compactrl.compaction.evictors`) on this session
+        from now on; stream indices below ``head`` are never evicted (set ``evictor.head`` later if
+        the head is not appended yet)."""
+        self._check_open("use an evictor")
+        self.evictor = EvictorState(evictor, self.engine.kv.n_layers, head)
+        return self
 
     def fork(self, rollout_id: str | None = None) -> Session:
         """A child sharing this session's KV (no copy): both read it as a frozen prefix. Tokens

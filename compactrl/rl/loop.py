@@ -35,6 +35,7 @@ from compactrl.agent.batch import ModelSource, load_engine, run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
+from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.envs.base import HELD_OUT_SEED
@@ -65,6 +66,11 @@ class TrainConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     env: EnvConfig = CountConfig()
     strategy: StrategyConfig = SlidingWindow(max_turns=3)
+    evictor: EvictorConfig | None = Field(
+        None,
+        description="a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, "
+        "knorm; see compactrl.compaction.evictors), alone or with the strategy",
+    )
     mode: Literal["full", "reprefill", "stream"] = Field(
         "stream",
         description="full: no compaction; stream: compaction evicts KV in place, one trace per "
@@ -153,6 +159,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sft(self):
+        check_mode(self.evictor, self.mode)
         if self.eval_every and not self.eval_episodes:
             raise ValueError(f"eval_every = {self.eval_every} needs eval_episodes > 0 (how many to play)")
         if self.sft_steps > self.steps:
@@ -253,8 +260,9 @@ def _sft_step(cfg: TrainConfig, engine, fmt: ChatFormat, strategy, trainer: Trai
     if cfg.sft_demos == "strategy":
         make = lambda: make_env(cfg.env)  # noqa: E731
         played = run_episodes(
-            engine, fmt, make, strategy, cfg.mode, cfg.rollout, seeds, len(seeds), demo=True
-        )
+            engine, fmt, make, strategy, cfg.mode, cfg.rollout, seeds, len(seeds),
+            demo=True, evictor=cfg.evictor,
+        )  # fmt: skip
         results = asyncio.run(played)
         engine.sessions = [s for s in engine.sessions if not s.closed]
         failed = [r for r in results if r.error or r.truncated]
@@ -530,7 +538,10 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
     )
     make = lambda: make_env(cfg.env)  # noqa: E731
     strategy = build_strategy(cfg.strategy)
-    results = asyncio.run(run_episodes(engine, fmt, make, strategy, cfg.mode, settings, seeds, episodes))
+    played = run_episodes(
+        engine, fmt, make, strategy, cfg.mode, settings, seeds, episodes, evictor=cfg.evictor
+    )
+    results = asyncio.run(played)
     engine.sessions = [s for s in engine.sessions if not s.closed]
     rewards = np.array([r.reward for r in results])
     stats = {

@@ -42,7 +42,7 @@ def sample_batch(cfg, engine: Engine, fmt, strategy, index: int) -> list:
     sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
     make = lambda: make_env(cfg.env)  # noqa: E731
     episodes = run_episodes(engine, fmt, make, strategy, cfg.mode, cfg.rollout, seeds, len(seeds),
-                            sample_seeds=sample_seeds)  # fmt: skip
+                            sample_seeds=sample_seeds, evictor=cfg.evictor)  # fmt: skip
     results = asyncio.run(episodes)
     engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
     return results

@@ -1,0 +1,106 @@
+"""The engine side of a session's token evictor (:mod:`compactrl.compaction.evictors`).
+
+The engine's forward keeps the post-RoPE queries of sessions with an evictor (the method's last
+``queries``, or all of them for H2O's running sums; nothing for other sessions). After each feed:
+H2O adds the attention the new queries paid to every live key (before that step's evictions, so
+over the keys they saw); then, once the session has fed everything appended and is over budget —
+right after a prefill, or when ``interval`` tokens have been decoded since the last check — the
+per-head scores of every layer are averaged and the lowest-scoring unprotected tokens are evicted
+at ``e = fed``, in place and in ``evict_at``, like any other eviction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from compactrl.engine.engine import Engine
+    from compactrl.engine.runner import Feed
+    from compactrl.engine.session import Session
+
+
+class EvictorState:
+    def __init__(self, evictor, n_layers: int, head: int = 0):
+        self.evictor = evictor
+        self.head = head  # the protected system/task head: stream indices below it stay
+        self.q: list[torch.Tensor | None] = [None] * n_layers  # kept queries per layer [W, H, D]
+        self.q_pos = torch.zeros(0, dtype=torch.long)
+        self.acc: list[torch.Tensor] = []  # H2O: attention received per layer [Hkv, capacity]
+        self.seen = torch.zeros(0)  # H2O: queries that could see each stream index
+        self.decoded = 0  # tokens decoded since the last check
+
+    def keep(self, n: int) -> int:
+        """How many of a feed's ``n`` queries the forward should hand over."""
+        return n if self.evictor.accumulates else min(n, self.evictor.queries)
+
+    @torch.inference_mode()
+    def observe(self, engine: Engine, s: Session, f: Feed) -> None:
+        """Take the fed queries: keep the newest, and (H2O) add the attention they paid."""
+        ev = self.evictor
+        pos = torch.arange(f.start + f.n - len(f.queries[0]), f.start + f.n) if f.queries else None
+        if ev.accumulates and pos is not None:
+            self._grow(f.start + f.n, engine.kv.n_kv)
+            k_pos, keys = live_keys(engine, s)
+            for li, q in enumerate(f.queries):
+                self.acc[li][:, k_pos] += ev.received(q, pos, keys[li], k_pos)
+            end = f.start + f.n  # query i saw keys 0..i: key j was seen by min(m, end - j) of them
+            self.seen[:end] += (end - torch.arange(end)).clamp(max=len(pos))
+        if ev.queries and pos is not None:
+            W = ev.queries
+            self.q_pos = torch.cat([self.q_pos, pos])[-W:]
+            self.q = [q if old is None else torch.cat([old, q])[-W:] for old, q in zip(self.q, f.queries)]
+        f.queries = []
+
+    def _grow(self, n: int, n_kv: int) -> None:
+        if not self.acc:
+            self.acc = [torch.zeros(n_kv, 0) for _ in self.q]
+        if self.acc[0].shape[1] < n:
+            cap = max(n, 2 * self.acc[0].shape[1])
+            self.acc = [torch.cat([a, torch.zeros(n_kv, cap - a.shape[1])], 1) for a in self.acc]
+            self.seen = torch.cat([self.seen, torch.zeros(cap - len(self.seen))])
+
+    @torch.inference_mode()
+    def after_feed(self, engine: Engine, s: Session, decoded: int) -> None:
+        """Evict down to the budget if due: right after a prefill, or every ``interval`` decoded tokens."""
+        ev = self.evictor
+        self.decoded += decoded
+        if s.unfed or s.live <= ev.budget or (decoded and self.decoded < ev.interval):
+            return
+        self.decoded = 0
+        k_pos, keys = live_keys(engine, s)
+        score = self.scores(k_pos, keys).mean((0, 1))
+        turn = torch.tensor(s.turn)[k_pos]
+        protected = (k_pos < self.head) | (k_pos >= s.fed - ev.window)
+        if ev.protect_turn:
+            protected |= turn == s.turn[-1]
+        cand = torch.nonzero(~protected).squeeze(1)  # in stream order: ties evict the older first
+        order = torch.argsort(score[cand], stable=True)
+        gone = k_pos[cand[order[: s.live - ev.budget]]]
+        if len(gone):
+            s.evict_now(sorted(gone.tolist()))
+
+    def scores(self, k_pos: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
+        """Every layer's per-KV-head scores of the live keys, ``[layers, Hkv, N]``."""
+        ev = self.evictor
+        out = []
+        for li, k in enumerate(keys):
+            acc = None
+            if ev.accumulates:
+                acc = self.acc[li][:, k_pos]
+                if ev.average:
+                    acc = acc / self.seen[k_pos]
+            out.append(ev.layer_scores(self.q[li], self.q_pos, k, k_pos, acc))
+        return torch.stack(out)
+
+
+def live_keys(engine: Engine, s: Session) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A resident session's live keys in stream order: their stream positions ``[N]`` and, per layer,
+    ``[Hkv, N, D]`` (shared prefixes of a fork first, then its own row)."""
+    kv = engine.kv
+    parts = [(seg.row, torch.nonzero(mask).squeeze(1)) for seg, mask in s.chain]
+    parts.append((s.row, torch.nonzero(kv.valid[s.row, : kv.used[s.row]]).squeeze(1)))
+    pos = torch.cat([kv.pos[row, e] for row, e in parts]).cpu()
+    keys = [torch.cat([kv.k[li][row][:, e] for row, e in parts], 1) for li in range(kv.n_layers)]
+    return pos, keys

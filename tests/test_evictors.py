@@ -1,0 +1,197 @@
+"""Token evictors in the engine against references written from each paper's equations over dense
+attention computed directly (the kept set must be equal), and engine log-probs under an evictor
+against the trainer's one-pass forward over the exported trace."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compactrl.compaction.evictors import H2O, RKV, TOVA, KNorm, SnapKV, StreamingLLM
+from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.models.tiny import init_random, tiny_config
+from compactrl.rl.forward import full_context, stream_logprobs
+
+PROMPT, HEAD, BUDGET, WINDOW, INTERVAL, NEW = 40, 3, 24, 6, 8, 40
+
+
+@pytest.fixture(scope="module")
+def lm64():
+    """float64, so that no two scores tie within rounding (ties would make the kept set ambiguous)."""
+    cfg = tiny_config("qwen3", vocab_size=300, eos_token_id=[1])
+    return init_random(cfg, seed=3).double().eval()
+
+
+def run(lm, evictor, prompt=PROMPT, new=NEW, seed=0, pool=100_000):
+    eng = Engine(lm, None, EngineConfig(kv_pool_tokens=pool, max_step_tokens=16))
+    s = eng.session()
+    s.append([(11 * seed + 7 * i) % 290 + 2 for i in range(prompt)], role="system")
+    if evictor is not None:
+        s.use_evictor(evictor, head=HEAD)
+    s.generate(SamplingParams(max_tokens=new, seed=seed, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    return s
+
+
+@torch.no_grad()
+def dense(lm, tokens, evict_at):
+    """Per layer: queries and keys ``[H|Hkv, T, D]`` (RoPE'd) and the attention probabilities
+    ``[H, T, T]`` each query paid under the stream mask ``j <= i < evict_at[j]``, written out."""
+    T = len(tokens)
+    x = lm.model.embed_tokens(torch.tensor(tokens)[None])
+    cos, sin = lm.rope(torch.arange(T)[None], x.dtype)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = (j <= i) & (i < torch.tensor(evict_at)[None, :])
+    out = []
+    for layer in lm.model.layers:
+        a = layer.self_attn
+        q, k, v = a.project(layer.input_layernorm(x), cos, sin)
+        kr = k.repeat_interleave(a.n_heads // a.n_kv, 1)
+        s = (q @ kr.transpose(-1, -2)) / math.sqrt(a.head_dim)
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        o = p @ v.repeat_interleave(a.n_heads // a.n_kv, 1)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out.append((q[0], k[0], p[0]))
+    return out
+
+
+def reference_scores(ev, layers, e, live):
+    """Each method's token score at an eviction at ``e`` over the live keys (stream indices), from
+    its paper's definition, per layer and head, then averaged over heads and layers."""
+    W, L = ev.window, torch.tensor(live)
+    per_layer = []
+    for q, k, p in layers:
+        H, Hkv = q.shape[0], k.shape[0]
+        G = H // Hkv
+        if isinstance(ev, StreamingLLM):
+            s = torch.where(L < ev.sinks, math.inf, L.double()).expand(Hkv, -1)
+        elif isinstance(ev, KNorm):
+            s = -k[:, L].norm(dim=-1)
+        elif isinstance(ev, H2O):  # attention received from every query so far, group-averaged
+            s = p[:, :e][:, :, L].sum(1).view(Hkv, G, -1).mean(1)
+        elif isinstance(ev, TOVA):  # the newest query's attention, averaged over all heads
+            s = p[:, e - 1, L].mean(0).expand(Hkv, -1)
+        elif isinstance(ev, SnapKV):  # window's attention to older keys, mean, avg-pool, group mean
+            old = L < e - W
+            a = p[:, e - W : e][:, :, L[old]].mean(1)
+            a = F.avg_pool1d(a[:, None], ev.kernel, 1, ev.kernel // 2, count_include_pad=True)[:, 0]
+            s = torch.full((Hkv, len(L)), math.inf, dtype=torch.float64)
+            s[:, old] = a.view(Hkv, G, -1).mean(1)
+        else:  # R-KV: group-max logits, softmax over older keys, window mean, max-pool; redundancy
+            old = L < e - W
+            logits = (q[:, e - W : e] @ k.repeat_interleave(G, 0)[:, L].transpose(-1, -2)) / math.sqrt(
+                q.shape[-1]
+            )
+            imp = logits.view(Hkv, G, W, -1).amax(1)[..., old].softmax(-1).mean(1)
+            imp = F.max_pool1d(imp[:, None], ev.kernel, 1, ev.kernel // 2)[:, 0]
+            kn = F.normalize(k[:, L], dim=-1)
+            red = torch.zeros(Hkv, len(L), dtype=torch.float64)
+            for h in range(Hkv):
+                c = kn[h] @ kn[h].T
+                c.fill_diagonal_(0)
+                for r in range(len(L)):  # each row forgets its latest similar key (key 0 if none)
+                    similar = torch.nonzero(c[r] > ev.threshold).flatten()
+                    c[r, similar.max() if len(similar) else 0] = 0
+                red[h] = c.mean(0).softmax(0)
+            s = torch.full((Hkv, len(L)), math.inf, dtype=torch.float64)
+            s[:, old] = ev.mix * imp - (1 - ev.mix) * red[:, old]
+        per_layer.append(s)
+    return torch.stack(per_layer).mean((0, 1))
+
+
+METHODS = [
+    StreamingLLM(budget=BUDGET, window=WINDOW, interval=INTERVAL, sinks=2, protect_turn=False),
+    KNorm(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
+    H2O(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
+    TOVA(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
+    SnapKV(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
+    RKV(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
+]
+
+
+@pytest.mark.parametrize("ev", METHODS, ids=lambda e: e.name)
+def test_kept_set_equals_the_papers_definition(lm64, ev):
+    s = run(lm64, ev)
+    T = len(s.tokens)
+    evict_at = [T + 1 if e is None else e for e in s.evict_at]  # T + 1: never
+    events = sorted({e for e in s.evict_at if e is not None})
+    # after the prompt, then every INTERVAL decoded tokens (the last one fed too) while over budget
+    assert events == list(range(PROMPT, T + 1, INTERVAL)) and s.metrics.evictions == len(events)
+    layers = dense(lm64, s.tokens, evict_at)
+    for e in events:
+        live = [j for j in range(e) if evict_at[j] >= e]
+        score = reference_scores(ev, layers, e, live)
+        cand = [n for n, j in enumerate(live) if HEAD <= j < e - WINDOW]
+        order = sorted(cand, key=lambda n: (score[n].item(), live[n]))
+        expected = {live[n] for n in order[: len(live) - BUDGET]}
+        assert {j for j in live if evict_at[j] == e} == expected, e
+    assert sum(e is None for e in s.evict_at) <= BUDGET + INTERVAL  # bounded live KV
+
+
+@pytest.mark.parametrize("ev", METHODS, ids=lambda e: e.name)
+def test_engine_under_an_evictor_matches_the_one_pass_trainer(tiny_lm, ev):
+    s = run(tiny_lm, ev, seed=1)
+    trace = s.trace()
+    m = torch.as_tensor(trace.trainable)
+    logged = torch.tensor(s.model_logprobs, dtype=torch.float64)[m]
+    with torch.no_grad():
+        (stream,) = stream_logprobs(tiny_lm, [trace])
+        (unevicted,) = stream_logprobs(tiny_lm, [full_context(trace)])
+    assert s.metrics.evicted_tokens > 0
+    assert (stream.double()[m] - logged).abs().max() < 5e-5
+    assert (unevicted.double()[m] - logged).abs().max() > 0.1  # the evictions are what it replays
+
+
+def test_protected_spans_stay(lm64):
+    """The head and the current turn (the whole generation here) are never evicted; the budget is
+    kept as far as the unprotected tokens allow."""
+    ev = H2O(budget=BUDGET, window=WINDOW, interval=INTERVAL)  # protect_turn on
+    s = run(lm64, ev)
+    gone = [j for j, e in enumerate(s.evict_at) if e is not None]
+    assert gone and all(HEAD <= j < PROMPT for j in gone)  # only the prompt's middle goes
+    assert len(gone) == PROMPT - HEAD  # all of it, as the generation grows past the budget
+
+
+def test_sessions_without_an_evictor_are_untouched(lm64):
+    """An evictor on one session changes nothing for another in the same batch."""
+    alone = run(lm64, None, seed=2)
+    eng = Engine(lm64, None, EngineConfig(max_step_tokens=16))
+    a, b = eng.session(), eng.session()
+    for s, seed in ((a, 2), (b, 0)):
+        s.append([(11 * seed + 7 * i) % 290 + 2 for i in range(PROMPT)], role="system")
+    b.use_evictor(H2O(budget=BUDGET, window=WINDOW, interval=INTERVAL), head=HEAD)
+    for s, seed in ((a, 2), (b, 0)):
+        s.generate(SamplingParams(max_tokens=NEW, seed=seed, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert a.tokens == alone.tokens
+    torch.testing.assert_close(  # float64: batching changes rounding only
+        torch.tensor(a.model_logprobs), torch.tensor(alone.model_logprobs), atol=1e-12, rtol=0, equal_nan=True
+    )
+    assert a.metrics.evicted_tokens == 0 and b.metrics.evicted_tokens > 0
+
+
+def test_preempted_session_keeps_evicting_identically(lm64):
+    """A session preempted mid-generation is recomputed under its evictions and goes on as if not."""
+    ev = SnapKV(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False)
+    roomy = run(lm64, ev)
+    eng = Engine(lm64, None, EngineConfig(kv_pool_tokens=2 * (PROMPT + NEW), max_step_tokens=16))
+    sessions = [eng.session() for _ in range(3)]
+    for s in sessions:
+        s.append([7 * i % 290 + 2 for i in range(PROMPT)], role="system")
+        s.use_evictor(ev, head=HEAD)
+        s.generate(SamplingParams(max_tokens=NEW, seed=0, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert eng.metrics()["preemptions"] > 0
+    for s in sessions:
+        assert s.tokens == roomy.tokens and s.evict_at == roomy.evict_at
+
+
+def test_bad_evictor_configs_are_named():
+    with pytest.raises(ValueError, match="window 8 >= budget 8"):
+        H2O(budget=8, window=8)
+    from compactrl.agent.batch import RolloutConfig
+
+    with pytest.raises(ValueError, match="mode = 'stream'"):
+        RolloutConfig.model_validate({"mode": "reprefill", "evictor": {"name": "tova", "budget": 64}})
