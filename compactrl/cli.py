@@ -748,6 +748,74 @@ def bench_engine(
         out.print(line)
 
 
+@bench_app.command("evictors")
+def bench_evictors(
+    model_dir: Annotated[
+        Path | None,
+        typer.Option("--model", help="Model folder, e.g. a checkpoint's model/ (default: generated)."),
+    ] = None,
+    task: Annotated[list[str] | None, typer.Option(help="rooms | recall (repeatable; default both).")] = None,
+    evictor: Annotated[list[str] | None, typer.Option(help="Evictors (repeatable; default all six).")] = None,
+    budget: Annotated[
+        list[float] | None,
+        typer.Option(
+            help="Budgets as fractions of the full-context peak live KV (repeatable; default 0.25, 0.5)."
+        ),
+    ] = None,
+    episodes: Annotated[int, typer.Option(help="Episodes per row (all concurrent, the same seeds).")] = 8,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 1,
+    output: Annotated[
+        Path, typer.Option("--out", help="JSON path; the PNG (reward vs peak KV) is written next to it.")
+    ] = Path("runs/bench_evictors.json"),
+    as_json: JsonFlag = False,
+) -> None:
+    """Every token evictor at several budgets vs full context and step-wise strategies."""
+    from compactrl.bench.evictors import TASKS, plot_evictors, run_evictors_bench
+    from compactrl.compaction.evictors import EVICTORS
+
+    tasks, methods = tuple(task or TASKS), tuple(evictor or EVICTORS)
+    fractions = tuple(budget or (0.25, 0.5))
+    for flag, given, known in (("--task", tasks, TASKS), ("--evictor", methods, EVICTORS)):
+        if set(given) - set(known):
+            fail(f"{flag} {sorted(set(given) - set(known))} unknown; choose from {list(known)}")
+    if not all(0 < f < 1 for f in fractions):
+        fail(f"--budget {list(fractions)}: give fractions of the full-context peak, between 0 and 1")
+    if min(episodes, threads) < 1:
+        fail("--episodes and --threads must be >= 1")
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json; give a model folder (a checkpoint's model/)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with progress_bar("bench evictors") as progress:
+        result = run_evictors_bench(
+            model_dir, tasks, methods, fractions, episodes, threads, work_dir=output.with_suffix(""),
+            progress=progress,
+        )  # fmt: skip
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    plot_evictors(result, output.with_suffix(".png"))
+    if as_json:
+        emit_json(result)
+        return
+    m, model = result["machine"], result["model"]
+    out.print(f"{m['cpu']} · {m['threads']} threads · {model['source']} ({model['parameters']:,} params)")
+    for name, t in result["tasks"].items():
+        table = Table(
+            box=box.SIMPLE_HEAD, pad_edge=False, title=f"{name}: full-context peak {t['full_peak_live_kv']}"
+        )
+        columns = ("row", "budget", "reward", "peak KV", "KV reads/ep", "evictions/ep", "not done",
+                   "overhead", "decode vs full", "logprob diff")  # fmt: skip
+        for c in columns:
+            table.add_column(c, no_wrap=True)
+        for r in t["rows"]:
+            table.add_row(
+                r["name"], str(r["budget"] or "-"), f"{r['reward']:.2f} ± {r['stderr']:.2f}",
+                str(r["peak_live_kv"]), f"{r['kv_reads']:.0f}", f"{r['evictions']:.1f}",
+                str(r["non_completion"]), f"{r['overhead']:.2f}", f"{r['decode_speed_vs_full']:.2f}",
+                f"{r['max_abs_logprob_diff']:.1e}",
+            )  # fmt: skip
+        out.print(table)
+    out.print(f"wrote {output} and {output.with_suffix('.png')}")
+
+
 @bench_app.command("modes")
 def bench_modes(
     model_dir: Annotated[

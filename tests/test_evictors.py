@@ -195,3 +195,32 @@ def test_bad_evictor_configs_are_named():
 
     with pytest.raises(ValueError, match="mode = 'stream'"):
         RolloutConfig.model_validate({"mode": "reprefill", "evictor": {"name": "tova", "budget": 64}})
+
+
+def test_bench_evictors_reports_every_row(tmp_path):
+    """`bench evictors --json`: the evictor rows hold less KV than full context, evict, and replay
+    exactly in the trainer; bad flags are named."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from compactrl.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "b.json"
+    r = runner.invoke(app, ["bench", "evictors", "--task", "recall", "--evictor", "h2o", "--evictor", "knorm",
+                            "--budget", "0.5", "--episodes", "2", "--out", str(out), "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["tasks"]["recall"]["rows"]
+    assert [x["name"] for x in rows] == ["full", "evict_steps", "h2o", "knorm"]
+    full = rows[0]
+    for x in rows[2:]:
+        assert x["budget"] == round(0.5 * full["peak_live_kv"]) and x["peak_live_kv"] < full["peak_live_kv"]
+        assert x["evictions"] > 0 and x["kv_reads"] < full["kv_reads"] and x["overhead"] > 0
+        assert x["max_abs_logprob_diff"] < 5e-5
+    assert full["evictions"] == 0 and full["overhead"] == 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    bad = runner.invoke(app, ["bench", "evictors", "--evictor", "h3o"])
+    assert bad.exit_code != 0 and "h3o" in bad.output
+    bad = runner.invoke(app, ["bench", "evictors", "--budget", "1.5"])
+    assert bad.exit_code != 0 and "fractions" in bad.output

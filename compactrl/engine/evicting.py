@@ -11,6 +11,7 @@ at ``e = fed``, in place and in ``evict_at``, like any other eviction.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ class EvictorState:
         self.acc: list[torch.Tensor] = []  # H2O: attention received per layer [Hkv, capacity]
         self.seen = torch.zeros(0)  # H2O: queries that could see each stream index
         self.decoded = 0  # tokens decoded since the last check
+        self.seconds = 0.0  # time spent here (the evictor's overhead)
 
     def keep(self, n: int) -> int:
         """How many of a feed's ``n`` queries the forward should hand over."""
@@ -38,6 +40,7 @@ class EvictorState:
     @torch.inference_mode()
     def observe(self, engine: Engine, s: Session, f: Feed) -> None:
         """Take the fed queries: keep the newest, and (H2O) add the attention they paid."""
+        t0 = time.perf_counter()
         ev = self.evictor
         pos = torch.arange(f.start + f.n - len(f.queries[0]), f.start + f.n) if f.queries else None
         if ev.accumulates and pos is not None:
@@ -52,6 +55,7 @@ class EvictorState:
             self.q_pos = torch.cat([self.q_pos, pos])[-W:]
             self.q = [q if old is None else torch.cat([old, q])[-W:] for old, q in zip(self.q, f.queries)]
         f.queries = []
+        self.seconds += time.perf_counter() - t0
 
     def _grow(self, n: int, n_kv: int) -> None:
         if not self.acc:
@@ -68,6 +72,7 @@ class EvictorState:
         self.decoded += decoded
         if s.unfed or s.live <= ev.budget or (decoded and self.decoded < ev.interval):
             return
+        t0 = time.perf_counter()
         self.decoded = 0
         k_pos, keys = live_keys(engine, s)
         score = self.scores(k_pos, keys).mean((0, 1))
@@ -80,6 +85,7 @@ class EvictorState:
         gone = k_pos[cand[order[: s.live - ev.budget]]]
         if len(gone):
             s.evict_now(sorted(gone.tolist()))
+        self.seconds += time.perf_counter() - t0
 
     def scores(self, k_pos: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
         """Every layer's per-KV-head scores of the live keys, ``[layers, Hkv, N]``."""

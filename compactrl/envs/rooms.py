@@ -81,8 +81,11 @@ class RoomsEnv:
                         max_tokens=self.action_tokens)  # fmt: skip
         m = _ANSWER.search(action)
         answer = self.codes[self.query_room - 1]
-        correct = bool(m) and m.group(1).lower() == answer
-        return Step("", reward=float(correct), done=True, info={"answer": answer, "correct": correct})
+        said = m.group(1) if m else None  # None: the answer did not parse
+        correct = said is not None and said.lower() == answer
+        return Step(
+            "", reward=float(correct), done=True, info={"answer": answer, "said": said, "correct": correct}
+        )
 
     def demo_action(self) -> str:
         """The correct action now: 'next' through the rooms, then the asked-for code word."""

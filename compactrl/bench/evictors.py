@@ -1,0 +1,189 @@
+"""`compactrl bench evictors`: every token evictor at several budgets against full context and the
+step-wise strategies, on the rooms task and on the recall task, the same episodes for every row.
+
+Budgets are fractions of the full-context run's peak live KV, so they mean the same for any model
+and tokenizer. Per row: reward (mean and standard error), peak live KV, KV reads, evicted tokens
+and eviction calls per episode, non-completion by cause (unparsable answer, turn limit, position
+limit, error), decode tokens/s, ``overhead`` (the evictor's own time, scoring and keeping queries,
+as a fraction of the engine's forward time: its cost per decode step) and ``max_abs_logprob_diff``
+(the engine's sampled log-probs against the trainer's one-pass forward over every episode's trace,
+the evictions replayed by the mask). Rollouts are sampled at temperature 1, so the logged
+log-probs are the model's.
+
+On recall the evictor may take any token but the head and its window (``protect_turn`` off): the
+counting turn is where the assignment must survive or be carried. On rooms the current turn is
+protected, as an agent rollout would run it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compactrl.agent.batch import run_episodes
+from compactrl.agent.chat import ChatFormat
+from compactrl.agent.rollout import RolloutSettings
+from compactrl.bench.trainer import machine_info
+from compactrl.compaction import EvictSteps, Markovian, SlidingWindow, build_strategy
+from compactrl.compaction.evictors import EVICTORS, H2O, RKV, TOVA, KNorm, SnapKV, StreamingLLM
+from compactrl.engine import Engine, EngineConfig
+from compactrl.envs import RecallConfig, RoomsConfig, make_env
+from compactrl.models.loading import config_summary
+from compactrl.models.tiny import write_tiny_model
+from compactrl.rl.forward import stream_logprobs
+
+METHODS = {
+    "h2o": H2O,
+    "snapkv": SnapKV,
+    "rkv": RKV,
+    "streamingllm": StreamingLLM,
+    "tova": TOVA,
+    "knorm": KNorm,
+}
+assert tuple(METHODS) == EVICTORS
+TASKS = {
+    "rooms": dict(
+        env=RoomsConfig(n_rooms=20, filler=8),
+        settings=RolloutSettings(max_tokens=8, max_turns=32, temperature=1.0),
+        strategies={"sliding_window": SlidingWindow(max_turns=4), "markovian": Markovian(max_turns=8)},
+        protect_turn=True,
+    ),
+    "recall": dict(
+        env=RecallConfig(k=64),
+        settings=RolloutSettings(max_tokens=64, max_turns=4, temperature=1.0),
+        strategies={"evict_steps": EvictSteps(at_step=1, steps=[0])},
+        protect_turn=False,
+    ),
+}
+
+
+def _run(engine: Engine, task: dict, strategy_cfg, evictor, mode: str, seeds: list[int]) -> dict:
+    """One row: the episodes, batched, and what they cost."""
+    engine.sessions, engine.totals["forward_s"] = [], 0.0
+    settings = task["settings"]
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer, settings.chat_rewrites, settings.chat_template_kwargs)
+    strategy = build_strategy(strategy_cfg) if strategy_cfg is not None else None
+    make = lambda: make_env(task["env"])  # noqa: E731
+    t0 = time.perf_counter()
+    results = asyncio.run(
+        run_episodes(engine, fmt, make, strategy, mode, settings, seeds, len(seeds), evictor=evictor)
+    )
+    wall = time.perf_counter() - t0
+    evictor_s = sum(s.evictor.seconds for s in engine.sessions if s.evictor is not None)
+    rewards = np.array([r.reward for r in results])
+    causes = {"unparsable": 0, "turn_limit": 0, "position_limit": 0, "error": 0}
+    for r in results:
+        if r.error:
+            causes["error"] += 1
+        elif r.at_position_limit:
+            causes["position_limit"] += 1
+        elif r.truncated:
+            causes["turn_limit"] += 1
+        elif r.info.get("said") is None:
+            causes["unparsable"] += 1
+    traces = [t for r in results for t in r.traces]
+    with torch.no_grad():
+        replayed = stream_logprobs(engine.model, traces)
+    diff = max(
+        float((lp.double()[m] - torch.tensor(t.logprobs, dtype=torch.float64)[m]).abs().max())
+        for t, lp in zip(traces, replayed, strict=True)
+        if (m := torch.as_tensor(t.trainable)).any()
+    )
+    n = len(results)
+    return {
+        "reward": float(rewards.mean()),
+        "stderr": float(rewards.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+        "peak_live_kv": max(r.peak_live_kv for r in results),
+        "kv_reads": sum(r.kv_reads for r in results) / n,
+        "evicted_tokens": sum(r.evicted_tokens for r in results) / n,
+        "evictions": sum(r.evictions for r in results) / n,
+        "non_completion": sum(causes.values()),
+        "non_completion_causes": causes,
+        "decode_tokens_per_s": sum(r.generated_tokens for r in results) / wall,
+        "overhead": evictor_s / engine.totals["forward_s"] if engine.totals["forward_s"] else 0.0,
+        "max_abs_logprob_diff": diff,
+        "wall_s": wall,
+    }
+
+
+def run_evictors_bench(
+    model_dir: Path | None,
+    tasks: tuple[str, ...] = tuple(TASKS),
+    methods: tuple[str, ...] = EVICTORS,
+    fractions: tuple[float, ...] = (0.25, 0.5),
+    episodes: int = 8,
+    threads: int = 1,
+    seed: int = 0,
+    work_dir: Path = Path("runs/bench_evictors"),
+    progress=None,
+) -> dict:
+    torch.set_num_threads(threads)
+    if model_dir is None:
+        model_dir = work_dir / "model"
+        if not (model_dir / "config.json").exists():
+            write_tiny_model(model_dir, family="qwen3", size="tiny", seed=0)
+    engine = Engine.from_pretrained(
+        model_dir, config=EngineConfig(kv_pool_tokens=1 << 20, max_step_tokens=2048)
+    )
+    seeds = list(range(seed, seed + episodes))
+    out = {
+        "machine": machine_info(threads),
+        "model": {"source": str(model_dir), **config_summary(engine.model.config)},
+        "episodes": episodes,
+        "tasks": {},
+    }
+    total = sum(1 + len(TASKS[t]["strategies"]) + len(methods) * len(fractions) for t in tasks)
+    advance = progress(total) if progress else (lambda info=None: None)
+    for name in tasks:
+        task = TASKS[name]
+        rows = [{"name": "full", "budget": None, **_run(engine, task, None, None, "full", seeds)}]
+        advance()
+        peak = rows[0]["peak_live_kv"]
+        for sname, scfg in task["strategies"].items():
+            rows.append({"name": sname, "budget": None, **_run(engine, task, scfg, None, "stream", seeds)})
+            advance()
+        for method in methods:
+            for frac in fractions:
+                budget = max(16, round(frac * peak))
+                ev = METHODS[method](budget=budget, protect_turn=task["protect_turn"])
+                rows.append(
+                    {"name": method, "budget": budget, **_run(engine, task, None, ev, "stream", seeds)}
+                )
+                advance(f"{name} {method} {budget}")
+        full = rows[0]["decode_tokens_per_s"]
+        for r in rows:
+            r["decode_speed_vs_full"] = r["decode_tokens_per_s"] / full if full else 0.0
+        out["tasks"][name] = {"env": task["env"].model_dump(), "full_peak_live_kv": peak, "rows": rows}
+    return out
+
+
+def plot_evictors(result: dict, path: Path) -> Path:
+    """Reward against peak live KV per task: one marker per method, full context and the step-wise
+    strategies as reference points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = result["tasks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    markers = dict(zip(EVICTORS, "os^vDP", strict=True))
+    for ax, (name, t) in zip(axes[0], tasks.items(), strict=True):
+        for r in t["rows"]:
+            style = dict(marker=markers.get(r["name"], "*"), s=60 if r["budget"] else 140)
+            ax.errorbar(r["peak_live_kv"], r["reward"], yerr=r["stderr"], fmt="none", ecolor="0.7")
+            ax.scatter(r["peak_live_kv"], r["reward"], label=r["name"], **style)
+        handles, labels = ax.get_legend_handles_labels()
+        seen = dict(zip(labels, handles, strict=True))
+        ax.legend(seen.values(), seen.keys(), fontsize=7)
+        ax.set(title=f"{name} ({result['episodes']} episodes per point)", xlabel="peak live KV (tokens)",
+               ylabel="reward")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
