@@ -224,3 +224,38 @@ def test_bench_evictors_reports_every_row(tmp_path):
     assert bad.exit_code != 0 and "h3o" in bad.output
     bad = runner.invoke(app, ["bench", "evictors", "--budget", "1.5"])
     assert bad.exit_code != 0 and "fractions" in bad.output
+
+
+def test_an_agent_rollout_composes_an_evictor_with_a_sliding_window(tmp_path):
+    """Rooms episodes with a token evictor and a sliding window in stream mode: the window deletes
+    only what the evictor left, the head and the current turn stay, the budget holds between
+    turns, and the trace replays exactly in the trainer."""
+    import asyncio
+
+    from compactrl.agent.batch import run_episodes
+    from compactrl.agent.chat import ChatFormat
+    from compactrl.agent.rollout import RolloutSettings
+    from compactrl.compaction import SlidingWindow, build_strategy
+    from compactrl.envs.rooms import RoomsEnv
+    from compactrl.models.tiny import write_tiny_model
+
+    engine = Engine.from_pretrained(write_tiny_model(tmp_path / "m"))
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    ev = SnapKV(budget=160, window=8, interval=8)
+    strategy = build_strategy(SlidingWindow(max_turns=6))
+    settings = RolloutSettings(max_tokens=8)
+    results = asyncio.run(run_episodes(engine, fmt, lambda: RoomsEnv(n_rooms=12), strategy, "stream",
+                                       settings, [1, 2], 2, evictor=ev))  # fmt: skip
+    for r in results:
+        assert r.error is None and r.compactions > 0
+        (t,) = r.traces
+        head = next(j for j, role in enumerate(t.role) if role != "system" and t.turn[j] > 0)
+        gone = [j for j, e in enumerate(t.evict_at) if e < len(t)]
+        assert min(gone) >= head  # the system/task head stays
+        # the evictor's calls and the window's compactions both evict: more calls than compactions
+        assert r.evictions > r.compactions
+        for e in sorted(set(t.evict_at.tolist()) - {len(t)}):  # never the turn being read or written
+            assert not any(t.evict_at[j] == e and t.turn[j] == t.turn[e - 1] for j in range(e))
+        m = torch.as_tensor(t.trainable)
+        (lp,) = stream_logprobs(engine.model, [t])
+        assert (lp.double()[m] - torch.tensor(t.logprobs, dtype=torch.float64)[m]).abs().max() < 5e-5
