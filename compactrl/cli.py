@@ -759,7 +759,7 @@ def bench_evictors(
     budget: Annotated[
         list[float] | None,
         typer.Option(
-            help="Budgets as fractions of the full-context peak live KV (repeatable; default 0.25, 0.5)."
+            help="Budgets, fractions of the full-context peak live KV (repeatable; default per task)."
         ),
     ] = None,
     episodes: Annotated[int, typer.Option(help="Episodes per row (all concurrent, the same seeds).")] = 8,
@@ -774,11 +774,11 @@ def bench_evictors(
     from compactrl.compaction.evictors import EVICTORS
 
     tasks, methods = tuple(task or TASKS), tuple(evictor or EVICTORS)
-    fractions = tuple(budget or (0.25, 0.5))
+    fractions = tuple(budget) if budget else None
     for flag, given, known in (("--task", tasks, TASKS), ("--evictor", methods, EVICTORS)):
         if set(given) - set(known):
             fail(f"{flag} {sorted(set(given) - set(known))} unknown; choose from {list(known)}")
-    if not all(0 < f < 1 for f in fractions):
+    if fractions and not all(0 < f < 1 for f in fractions):
         fail(f"--budget {list(fractions)}: give fractions of the full-context peak, between 0 and 1")
     if min(episodes, threads) < 1:
         fail("--episodes and --threads must be >= 1")

@@ -209,13 +209,13 @@ def test_bench_evictors_reports_every_row(tmp_path):
     runner = CliRunner()
     out = tmp_path / "b.json"
     r = runner.invoke(app, ["bench", "evictors", "--task", "recall", "--evictor", "h2o", "--evictor", "knorm",
-                            "--budget", "0.5", "--episodes", "2", "--out", str(out), "--json"])  # fmt: skip
+                            "--budget", "0.7", "--episodes", "2", "--out", str(out), "--json"])  # fmt: skip
     assert r.exit_code == 0, r.output
     rows = json.loads(out.read_text())["tasks"]["recall"]["rows"]
     assert [x["name"] for x in rows] == ["full", "evict_steps", "h2o", "knorm"]
     full = rows[0]
     for x in rows[2:]:
-        assert x["budget"] == round(0.5 * full["peak_live_kv"]) and x["peak_live_kv"] < full["peak_live_kv"]
+        assert x["budget"] == round(0.7 * full["peak_live_kv"]) and x["peak_live_kv"] < full["peak_live_kv"]
         assert x["evictions"] > 0 and x["kv_reads"] < full["kv_reads"] and x["overhead"] > 0
         assert x["max_abs_logprob_diff"] < 5e-5
     assert full["evictions"] == 0 and full["overhead"] == 0

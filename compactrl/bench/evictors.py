@@ -2,17 +2,18 @@
 step-wise strategies, on the rooms task and on the recall task, the same episodes for every row.
 
 Budgets are fractions of the full-context run's peak live KV, so they mean the same for any model
-and tokenizer. Per row: reward (mean and standard error), peak live KV, KV reads, evicted tokens
-and eviction calls per episode, non-completion by cause (unparsable answer, turn limit, position
-limit, error), decode tokens/s, ``overhead`` (the evictor's own time, scoring and keeping queries,
-as a fraction of the engine's forward time: its cost per decode step) and ``max_abs_logprob_diff``
-(the engine's sampled log-probs against the trainer's one-pass forward over every episode's trace,
-the evictions replayed by the mask). Rollouts are sampled at temperature 1, so the logged
-log-probs are the model's.
+and tokenizer (default per task: rooms 0.25 and 0.5, recall 0.6 and 0.8). Per row: reward (mean
+and standard error), peak live KV, KV reads, evicted tokens and eviction calls per episode,
+non-completion by cause (unparsable answer, turn limit, position limit, error), decode tokens/s,
+``overhead`` (the evictor's own time, scoring and keeping queries, as a fraction of the engine's
+forward time: its cost per decode step) and ``max_abs_logprob_diff`` (the engine's sampled
+log-probs against the trainer's one-pass forward over every episode's trace, the evictions
+replayed by the mask). Rollouts are sampled at temperature 1, so the logged log-probs are the
+model's.
 
-On recall the evictor may take any token but the head and its window (``protect_turn`` off): the
-counting turn is where the assignment must survive or be carried. On rooms the current turn is
-protected, as an agent rollout would run it.
+On recall the evictor may take any token but the head and its window of 40 (``protect_turn`` off,
+the window covers the question as it is read): the counting turn is where the assignment must
+survive or be carried. On rooms the current turn is protected, as an agent rollout would run it.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ TASKS = {
         env=RoomsConfig(n_rooms=20, filler=8),
         settings=RolloutSettings(max_tokens=8, max_turns=32, temperature=1.0),
         strategies={"sliding_window": SlidingWindow(max_turns=4), "markovian": Markovian(max_turns=8)},
-        protect_turn=True,
+        evictor=dict(protect_turn=True),
+        fractions=(0.25, 0.5),
     ),
     "recall": dict(
         env=RecallConfig(k=64),
         settings=RolloutSettings(max_tokens=64, max_turns=4, temperature=1.0),
         strategies={"evict_steps": EvictSteps(at_step=1, steps=[0])},
-        protect_turn=False,
+        evictor=dict(protect_turn=False, window=40),  # the window covers the question as it is read
+        fractions=(0.6, 0.8),  # the task head and the window take ~half of the full-context peak
     ),
 }
 
@@ -115,7 +118,7 @@ def run_evictors_bench(
     model_dir: Path | None,
     tasks: tuple[str, ...] = tuple(TASKS),
     methods: tuple[str, ...] = EVICTORS,
-    fractions: tuple[float, ...] = (0.25, 0.5),
+    fractions: tuple[float, ...] | None = None,
     episodes: int = 8,
     threads: int = 1,
     seed: int = 0,
@@ -137,7 +140,11 @@ def run_evictors_bench(
         "episodes": episodes,
         "tasks": {},
     }
-    total = sum(1 + len(TASKS[t]["strategies"]) + len(methods) * len(fractions) for t in tasks)
+
+    def fracs(t):
+        return fractions or TASKS[t]["fractions"]
+
+    total = sum(1 + len(TASKS[t]["strategies"]) + len(methods) * len(fracs(t)) for t in tasks)
     advance = progress(total) if progress else (lambda info=None: None)
     for name in tasks:
         task = TASKS[name]
@@ -148,9 +155,9 @@ def run_evictors_bench(
             rows.append({"name": sname, "budget": None, **_run(engine, task, scfg, None, "stream", seeds)})
             advance()
         for method in methods:
-            for frac in fractions:
-                budget = max(16, round(frac * peak))
-                ev = METHODS[method](budget=budget, protect_turn=task["protect_turn"])
+            for frac in fracs(name):
+                budget = round(frac * peak)
+                ev = METHODS[method](budget=budget, **task["evictor"])
                 rows.append(
                     {"name": method, "budget": budget, **_run(engine, task, None, ev, "stream", seeds)}
                 )
