@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,14 +57,15 @@ def _default_names(model: type[pydantic.BaseModel], data: dict) -> dict:
 
 
 def _variants(annotation: Any) -> dict[str, type[pydantic.BaseModel]]:
-    """``name -> model`` of a field that is a union of variants picked by ``name`` (env, strategy)."""
-    annotated = typing.get_origin(annotation) is typing.Annotated
-    union = typing.get_args(annotation)[0] if annotated else annotation
-    return {
-        m.model_fields["name"].default: m
-        for m in typing.get_args(union)
-        if isinstance(m, type) and issubclass(m, pydantic.BaseModel) and "name" in m.model_fields
-    }
+    """``name -> model`` of a field that is a union of variants picked by ``name`` (env, strategy, an
+    optional evictor)."""
+    out = {}
+    for m in typing.get_args(annotation):
+        if typing.get_origin(m) is typing.Annotated or typing.get_origin(m) in (typing.Union, types.UnionType):
+            out |= _variants(m)
+        elif isinstance(m, type) and issubclass(m, pydantic.BaseModel) and "name" in m.model_fields:
+            out[m.model_fields["name"].default] = m
+    return out
 
 
 def _switch_variants(model: type[pydantic.BaseModel], data: dict, overrides: list[str]) -> list[str]:

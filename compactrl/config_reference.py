@@ -173,8 +173,12 @@ def _submodel(ann: Any) -> type[pydantic.BaseModel] | None:
 
 def _type_name(ann: Any) -> str:
     ann, optional = _strip_optional(ann)
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
     origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is typing.Literal:
+    if _variants(ann):
+        name = "table: " + " \\| ".join(f"`{v}`" for v in _variants(ann))
+    elif origin is typing.Literal:
         name = " \\| ".join(toml_value(a) for a in args)
     elif origin in (list, tuple) or ann in (list, tuple):
         inner = [a for a in args if a is not Ellipsis]
@@ -190,6 +194,7 @@ def _type_name(ann: Any) -> str:
     return f"{name} (optional)" if optional else name
 
 
+_REQUIRED = object()  # a field a variant must set (no default)
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
@@ -205,6 +210,8 @@ def _constraints(f: pydantic.fields.FieldInfo) -> str:
 
 
 def _default_text(v: Any) -> str:
+    if v is _REQUIRED:
+        return "required"
     if v is None:
         return "unset"
     if isinstance(v, pydantic.BaseModel):
@@ -226,12 +233,14 @@ def _walk(cls, inst, path: str, kind: str, sections: dict[str, Section], key: st
         sec.kinds.append(kind)
     for name, f in cls.model_fields.items():
         dotted = f"{path}.{name}" if path else name
-        value = getattr(inst, name)
+        value = getattr(inst, name, _REQUIRED)
         variants = _variants(f.annotation)
         if variants:
             union = sections.setdefault(dotted, Section(dotted, doc=f.description or ""))
             union.kinds.append(kind)
-            union.default_variant[kind] = value.name
+            if value is None:  # an optional union, off by default: a row says so
+                _row(sec, name, f, kind, None)
+            union.default_variant[kind] = "unset" if value is None else value.name
             for vname, vcls in variants.items():
                 vinst = value if type(value) is vcls else vcls.model_construct()
                 _walk(vcls, vinst, dotted, kind, sections, key=f"{dotted}:{vname}", variant=vname)
@@ -332,11 +341,11 @@ def reference() -> str:
         elif sec.default_variant:
             names = [s.variant for s in sections.values() if s.path == sec.path and s.variant]
             if len(set(sec.default_variant.values())) == 1:
-                defaults = f"`{next(iter(sec.default_variant.values()))}`"
+                defaults = _variant_text(next(iter(sec.default_variant.values())))
             else:
-                defaults = "; ".join(f"{k} configs: `{v}`" for k, v in sec.default_variant.items())
+                defaults = "; ".join(f"{k} configs: {_variant_text(v)}" for k, v in sec.default_variant.items())
             out += [
-                (sec.doc + " " if sec.doc else "")
+                (sec.doc[0].upper() + sec.doc[1:].rstrip(".") + ". " if sec.doc else "")
                 + f"One of {len(names)} variants, picked by `{sec.path}.name`: "
                 + ", ".join(f"`{n}`" for n in names)
                 + f" (default: {defaults}).",
@@ -355,6 +364,10 @@ def reference() -> str:
                 out += [(sec.doc + where).strip(), ""]
         out += [*_table_md(sec), ""]
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _variant_text(name: str) -> str:
+    return name if name == "unset" else f"`{name}`"
 
 
 def _title(sec: Section) -> str:

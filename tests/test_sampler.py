@@ -48,7 +48,8 @@ class Crash(Exception):
 def test_sampling_ahead_learns_with_bounded_lag_and_resumes(tmp_path):
     # at the quickstart's high learning rate one update moves the policy far, so PPO's clip would
     # zero most stale tokens; widened here, the importance ratio alone corrects the lag
-    wide = ["steps=24", "train.clip_low=0.99", "train.clip_high=100"]
+    # (the quickstart's 40 steps: under load its rise, usually near step 10, came after step 24)
+    wide = ["steps=40", "train.clip_low=0.99", "train.clip_high=100"]
     cfg = load_config(TrainConfig, "configs/quickstart.toml", [f"out={tmp_path / 'a'}", *ASYNC, *wide])
     rows = []
     train(cfg, on_step=rows.append)
@@ -57,7 +58,7 @@ def test_sampling_ahead_learns_with_bounded_lag_and_resumes(tmp_path):
     assert all(r["mismatch_kl"] < 1e-6 for r in rows if r["lag"] == 0)  # the pushed weights arrived exactly
     assert max(r["mismatch_kl"] for r in rows if r["lag"] == 1) > 1e-4  # stale rollouts show it
     # thread timing (which weights sample which token, which batches are dropped) varies the pace
-    assert max(r["reward"] for r in rows[-8:]) > rows[0]["reward"] + 0.2
+    assert max(r["reward"] for r in rows[-10:]) > rows[0]["reward"] + 0.2
     assert all(r["sync_s"] > 0 for r in rows)  # weights were handed over after every step
 
     crashing = load_config(
