@@ -61,7 +61,7 @@ def _variants(annotation: Any) -> dict[str, type[pydantic.BaseModel]]:
     optional evictor)."""
     out = {}
     for m in typing.get_args(annotation):
-        if typing.get_origin(m) is typing.Annotated or typing.get_origin(m) in (typing.Union, types.UnionType):
+        if typing.get_origin(m) in (typing.Annotated, typing.Union, types.UnionType):
             out |= _variants(m)
         elif isinstance(m, type) and issubclass(m, pydantic.BaseModel) and "name" in m.model_fields:
             out[m.model_fields["name"].default] = m

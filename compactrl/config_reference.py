@@ -343,7 +343,8 @@ def reference() -> str:
             if len(set(sec.default_variant.values())) == 1:
                 defaults = _variant_text(next(iter(sec.default_variant.values())))
             else:
-                defaults = "; ".join(f"{k} configs: {_variant_text(v)}" for k, v in sec.default_variant.items())
+                defaults = "; ".join(f"{k} configs: {_variant_text(v)}"
+                                     for k, v in sec.default_variant.items())  # fmt: skip
             out += [
                 (sec.doc[0].upper() + sec.doc[1:].rstrip(".") + ". " if sec.doc else "")
                 + f"One of {len(names)} variants, picked by `{sec.path}.name`: "

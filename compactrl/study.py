@@ -181,7 +181,7 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
         if _cli([*args, *flags], log) != 0 or not path.is_file():
             raise RuntimeError(f"run {name}: evaluation {ev.name} failed; see {log}")
     stats = json.loads(path.read_text())
-    data = json.loads(cfg.model_dump_json())
+    data = json.loads(load_config(TrainConfig, config, sets).model_dump_json())  # the run's, not the eval's
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
     row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
             "episodes": stats["episodes"], "errors": stats["errors"], "checkpoint": stats["checkpoint"],

@@ -11,7 +11,7 @@ STUDY = """
 out = "{out}/runs"
 results = "{out}/results.json"
 parallel = 2
-columns = {{ seed = "seed", steps = "steps" }}
+columns = {{ seed = "seed", steps = "steps", mode = "mode" }}
 
 [[run]]
 config = "configs/quickstart.toml"
@@ -39,6 +39,7 @@ def test_a_study_trains_its_grid_evaluates_and_resumes(tmp_path):
         ("q_seed1", "in-distribution"), ("q_seed1", "reprefill"),
     ]  # fmt: skip
     assert [r["seed"] for r in rows] == [0, 0, 1, 1] and all(r["steps"] == 2 for r in rows)
+    assert all(r["mode"] == "stream" for r in rows)  # a column is the run's field, not the eval's --set
     assert all(r["episodes"] == 3 and r["checkpoint"].endswith("step_00000002") for r in rows)
     assert rows[0]["cpu_s"] > 0 and rows[0]["stderr"] >= 0
     saved = json.loads((tmp_path / "results.json").read_text())["rows"]
