@@ -536,6 +536,76 @@ def verify_run_cmd(
         raise typer.Exit(1)
 
 
+@verify_app.command("kvpress")
+def verify_kvpress_cmd(
+    kvpress_python: Annotated[
+        Path,
+        typer.Option(
+            "--kvpress-python",
+            help="python of a virtualenv with kvpress 0.5.5 (its own: kvpress pins transformers<5.3).",
+        ),
+    ],
+    model_dir: Annotated[
+        Path | None,
+        typer.Option("--model", help="A HF checkpoint folder; default: tiny Llama, Qwen2, Qwen3."),
+    ] = None,
+    tokens: Annotated[int, typer.Option(help="Prefill length (seeded random token ids).")] = 64,
+    seed: int = 0,
+    window: Annotated[int, typer.Option(help="SnapKV's observation window (window_size).")] = 8,
+    kernel: Annotated[int, typer.Option(help="SnapKV's pooling kernel (kernel_size, odd).")] = 5,
+    sinks: Annotated[int, typer.Option(help="StreamingLLM's sink tokens (n_sink).")] = 4,
+    compression_ratio: Annotated[
+        float, typer.Option(help="kvpress's pruned share, for the kept-set check.")
+    ] = 0.5,
+    tolerance: Annotated[float, typer.Option(help="Max |score diff| (float32).")] = 1e-4,
+    as_json: JsonFlag = False,
+) -> None:
+    """Our evictors' per-KV-head scores vs kvpress's presses on one prefill; exit 1 above 1e-4.
+    What is compared for each method (and why not more) is in compactrl/bench/kvpress_parity.py."""
+    import torch
+
+    from compactrl.bench.kvpress_parity import KvpressError, check_params, verify_kvpress
+
+    if model_dir is not None and not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json; point at a HF checkpoint folder or omit it")
+    try:
+        check_params(tokens, window, kernel, sinks, compression_ratio)
+    except ValueError as e:
+        fail(str(e))
+    torch.set_num_threads(1)
+    try:  # checks the interpreter (kvpress importable) before loading any model
+        result = verify_kvpress(
+            kvpress_python, model_dir, tokens, seed, window, kernel, sinks, compression_ratio, tolerance
+        )
+    except (KvpressError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if as_json:
+        emit_json(result)
+    else:
+        v = result["versions"]
+        out.print(f"kvpress {v['kvpress']} · transformers {v['transformers']} · torch {v['torch']} (theirs)")
+        for name, r in result["models"].items():
+            table = Table("method", "kvpress press", "scores compared", "max |diff|", "kept set per head")
+            table.title = f"{name}: {r['n_tokens']} tokens, {r['n_kept']} kept per head"
+            for m, c in r["methods"].items():
+                diff = "-" if c.get("max_abs_diff") is None else f"{c['max_abs_diff']:.2e}"
+                if c.get("kept_equal") is None:
+                    kept = "-"
+                else:
+                    differ = f"{c['kept_heads_differ']}/{c['kept_heads']} differ"
+                    kept = "equal" if c["kept_equal"] else differ
+                    kept += f" ({c['kept_ties']} ties)" if c["kept_ties"] else ""
+                table.add_row(m, c["kvpress"] or "-", c["compared"], diff, kept)
+            out.print(table)
+            nc = ", ".join(f"{k} {d:.2e}" for k, d in r["negative_controls"].items())
+            out.print(f"negative controls (must be > {10 * result['tolerance']:.0e}): {nc}")
+        out.print(
+            ("[green]OK" if result["ok"] else "[red]MISMATCH") + f"[/] (tolerance {result['tolerance']:.0e})"
+        )
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("trainer")
 def bench_trainer(
     model_dir: Annotated[

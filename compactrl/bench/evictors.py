@@ -49,9 +49,9 @@ METHODS = {
 assert tuple(METHODS) == EVICTORS
 TASKS = {
     "rooms": dict(
-        env=RoomsConfig(n_rooms=20, filler=8),
-        settings=RolloutSettings(max_tokens=8, max_turns=32, temperature=1.0),
-        strategies={"sliding_window": SlidingWindow(max_turns=4), "markovian": Markovian(max_turns=8)},
+        env=RoomsConfig(n_rooms=8, filler=4),  # configs/evictors/rooms_sft.toml trains its policy
+        settings=RolloutSettings(max_tokens=8, max_turns=16, temperature=1.0),
+        strategies={"sliding_window": SlidingWindow(max_turns=4), "markovian": Markovian(max_turns=4)},
         evictor=dict(protect_turn=True),
         fractions=(0.25, 0.5),
     ),
