@@ -30,6 +30,8 @@ def _parse_value(text: str) -> Any:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``--set a.b=c`` into the config's data; ``--set section=`` (empty) removes a section the file
+    set, back to its default (an optional one such as ``[evictor]``: off)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -40,6 +42,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {p!r} is a value, not a section")
+        if not value.strip() and isinstance(node.get(leaf), dict):  # `--set evictor=`: drop the section
+            del node[leaf]
+            continue
         node[leaf] = _parse_value(value.strip())
     return data
 

@@ -319,7 +319,8 @@ def reference() -> str:
         *(f"- **{k}** (`{c.__name__}`, in `{c.__module__}`): {USED_BY[k]}" for k, c in KINDS.items()),
         "",
         "Any field can be overridden on the command line with `--set section.field=value` (repeatable; "
-        "the value is a TOML literal, else a string). `env` and `strategy` are each one of several "
+        "the value is a TOML literal, else a string; `--set evictor=` removes a section the file set). "
+        "`env` and `strategy` are each one of several "
         "variants, picked by their `name`; `--set strategy.name=summary` switches the variant and drops "
         "the old variant's fields the new one lacks. `compactrl config show CONFIG [--set ...]` prints "
         "a config as it resolves, with every default filled in. \"unset\" means the field is left out "

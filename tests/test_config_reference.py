@@ -45,6 +45,22 @@ def test_reference_covers_every_variant_and_section():
         assert row in text
     # a default the two kinds of config set differently shows both
     assert "| `rollout.max_tokens` | int, >= 1 | train: `4`; rollout: `64` |" in text
+    # the optional evictor: one table per method, off by default, its budget required
+    for name in ("h2o", "snapkv", "rkv", "streamingllm", "tova", "knorm"):
+        assert f'### `evictor.name = "{name}"`' in text
+    assert "| `evictor.budget` | int, > 0 | required |" in text and "(default: unset)" in text
+
+
+def test_set_switches_the_evictor_and_an_empty_value_removes_it():
+    from compactrl.config import load_config
+    from compactrl.rl.loop import TrainConfig
+
+    path = ROOT / "configs" / "evictors" / "recall_h2o.toml"
+    assert load_config(TrainConfig, path).evictor.name == "h2o"
+    tova = load_config(TrainConfig, path, ["evictor.name=tova"]).evictor
+    assert tova.name == "tova" and tova.budget == 112  # h2o's own fields (none here) would be dropped
+    assert load_config(TrainConfig, path, ["evictor="]).evictor is None
+    assert load_config(TrainConfig, path, ["out="]).out == ""  # a value, not a section: set to ""
 
 
 def _fake_model(tmp_path: Path) -> Path:
