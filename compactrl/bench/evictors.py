@@ -180,9 +180,13 @@ def plot_evictors(result: dict, path: Path) -> Path:
     tasks = result["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     markers = dict(zip(EVICTORS, "os^vDP", strict=True))
+    names = list(dict.fromkeys(r["name"] for t in tasks.values() for r in t["rows"]))
+    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}  # one colour per row name, every budget
     for ax, (name, t) in zip(axes[0], tasks.items(), strict=True):
         for r in t["rows"]:
-            style = dict(marker=markers.get(r["name"], "*"), s=60 if r["budget"] else 140)
+            style = dict(
+                marker=markers.get(r["name"], "*"), s=60 if r["budget"] else 140, color=colors[r["name"]]
+            )
             ax.errorbar(r["peak_live_kv"], r["reward"], yerr=r["stderr"], fmt="none", ecolor="0.7")
             ax.scatter(r["peak_live_kv"], r["reward"], label=r["name"], **style)
         handles, labels = ax.get_legend_handles_labels()
