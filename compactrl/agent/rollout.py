@@ -30,7 +30,7 @@ from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, Strategy
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.envs.base import Env, EnvError, guarded
-from compactrl.trace import Trace
+from compactrl.trace import NO_CURSOR, Trace
 
 MODES = ("full", "reprefill", "stream")
 HEAD = -1  # owner of the protected system/task head
@@ -152,6 +152,8 @@ class Episode:
         self.messages = 0  # seeds each generation: same seeds in every mode
         self.demo = demo  # the env writes every answer (demo_action, demo_summary): an SFT demonstration
         self.demo_spans: list[tuple[int, int, int]] = []  # (session, start, end) of the env's answers
+        self.cursor_of: dict[int, int] = {}  # step id -> the cursor id of its tool output
+        self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
 
     # ---- stream building ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -176,7 +178,7 @@ class Episode:
         start = len(self.session.tokens)
         if start + len(tokens) > self.engine.position_limit:
             raise _AtPositionLimit
-        self.session.append(tokens, role=role, turn=turn)
+        self.session.append(tokens, role=role, turn=turn, cursor=self.cursor_of.get(owner, NO_CURSOR))
         self._record(owner, tokens, start, turn, origins)
 
     def _message(self, owner: int, role: str, text: str) -> None:
@@ -240,7 +242,27 @@ class Episode:
     def _step_view(self, sid: int) -> StepView:
         ps = [p for p in self.pieces if p.owner == sid]
         text = self.fmt.tokenizer.decode([t for p in ps for t in p.tokens], skip_special_tokens=True)
-        return StepView(sid, sum(len(self._live(p)) for p in ps), text, self.kinds[sid])
+        c = self.cursor_of.get(sid)
+        cur = {} if c is None else {"cursor": c, **self.cursors[c]}
+        return StepView(sid, sum(len(self._live(p)) for p in ps), text, self.kinds[sid], **cur)
+
+    def _note_cursor(self, sid: int, info: dict, action: int) -> None:
+        """A tool env's output is a cursor (``info["cursor"]``): label the step's tokens, the call
+        already in the stream and the output to come, with it; note the cursors the call referred to."""
+        for c in info.get("refs", ()):
+            if c in self.cursors:
+                self.cursors[c].update(last_used=action, referenced=True)
+        c = info.get("cursor")
+        if c is None:
+            return
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0 or c in self.cursors:
+            raise EnvError(f"{self.env.name}.step returned cursor {c!r}; a tool output needs a new "
+                           "cursor id, an int >= 0")  # fmt: skip
+        self.cursor_of[sid] = c
+        self.cursors[c] = {"tool": info.get("tool"), "last_used": action, "referenced": False}
+        for p in self.pieces:
+            if p.owner == sid:
+                self.session.mark_cursor(self._live(p), c)
 
     def _context(self, step: int, since: int, action: str, incoming: int) -> Context:
         head = sum(len(p.tokens) for p in self.pieces if p.owner == HEAD)
@@ -330,6 +352,7 @@ class Episode:
                 if r.turns >= s.max_turns:
                     r.truncated = True
                     break
+                self._note_cursor(sid, out.info, r.turns)
                 incoming = len(self.chat.message("user", out.observation, record=False))
                 ctx = self._context(r.turns, since, action, incoming)
                 if self.strategy is not None and self.strategy.trigger(ctx):

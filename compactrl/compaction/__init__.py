@@ -19,6 +19,7 @@ from compactrl.compaction.base import (
     TokenBudget,
     Trigger,
 )
+from compactrl.compaction.cursors import DropOpenedSearch, DropUnreferenced, KeepLastCursors
 from compactrl.compaction.pick import Pick
 from compactrl.compaction.summary import Summarize
 from compactrl.compaction.window import DropOldest, DropSteps
@@ -96,8 +97,37 @@ class EvictSteps(_Config):
     steps: list[int] = Field([0], description="the steps deleted (0: the first)")
 
 
+class KeepLastCursorsConfig(_Config):
+    """Cursor rule: keep the newest ``n`` tool outputs; older cursors are deleted."""
+
+    name: Literal["keep_last_cursors"] = "keep_last_cursors"
+    n: int = Field(2, ge=1, description="tool outputs kept (the newest)")
+
+
+class DropOpenedSearchConfig(_Config):
+    """Cursor rule: delete a search-results cursor once a link from it has been opened."""
+
+    name: Literal["drop_opened_search"] = "drop_opened_search"
+
+
+class DropUnreferencedConfig(_Config):
+    """Cursor rule: delete cursors not created or referred to for ``m`` actions."""
+
+    name: Literal["drop_unreferenced"] = "drop_unreferenced"
+    m: int = Field(3, ge=1, description="actions without a reference after which a cursor goes")
+
+
 StrategyConfig = Annotated[
-    NoCompaction | SlidingWindow | Markovian | Summary | PickTurns | EvictSteps, Field(discriminator="name")
+    NoCompaction
+    | SlidingWindow
+    | Markovian
+    | Summary
+    | PickTurns
+    | EvictSteps
+    | KeepLastCursorsConfig
+    | DropOpenedSearchConfig
+    | DropUnreferencedConfig,
+    Field(discriminator="name"),
 ]
 
 
@@ -118,4 +148,9 @@ def build_strategy(cfg) -> Strategy | None:
         )
     if isinstance(cfg, EvictSteps):
         return Strategy(cfg.name, AtStep(cfg.at_step), DropSteps(tuple(cfg.steps)), params)
+    rule = {KeepLastCursorsConfig: lambda: KeepLastCursors(cfg.n), DropOpenedSearchConfig: DropOpenedSearch,
+            DropUnreferencedConfig: lambda: DropUnreferenced(cfg.m)}.get(type(cfg))  # fmt: skip
+    if rule is not None:
+        plan = rule()
+        return Strategy(cfg.name, plan, plan, params)
     raise TypeError(f"unknown strategy config {cfg!r}")

@@ -21,6 +21,10 @@ class StepView:
     tokens: int  # live tokens of the step
     text: str  # its messages as plain text (what `pick` shows the model)
     kind: str = "step"  # or "summary": a summary the model wrote at a compaction
+    cursor: int | None = None  # the tool output's cursor id (a tool env's ``info["cursor"]``)
+    tool: str | None = None  # the tool that produced it (``info["tool"]``)
+    last_used: int = 0  # the latest action that created or referred to the cursor
+    referenced: bool = False  # a later call referred to it (``info["refs"]``)
 
 
 @dataclass(frozen=True)

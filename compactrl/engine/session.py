@@ -229,6 +229,12 @@ class Session:
         self._check_idle("fork")
         return self.engine.fork(self, rollout_id)
 
+    def mark_cursor(self, indices: Iterable[int], cursor: int) -> None:
+        """Label stream tokens with a tool output's cursor id (a tool call is generated before the
+        tool says which cursor its output gets)."""
+        for j in indices:
+            self.cursor[j] = cursor
+
     def close(self) -> None:
         if not self.closed:
             if self.generating:
