@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.envs import count, recall, rooms, textworld_env
 from compactrl.envs.base import Env, EnvError, Reset, Step, guarded
+from compactrl.envs.browse import BrowseEnv
+from compactrl.envs.browse import env as browse
 from compactrl.envs.count import CountEnv
 from compactrl.envs.recall import VARIANTS, RecallEnv
 from compactrl.envs.rooms import RoomsEnv
@@ -109,10 +111,44 @@ class TextWorldConfig(_Config):
         return self
 
 
-EnvConfig = Annotated[CountConfig | RecallConfig | RoomsConfig | TextWorldConfig, Field(discriminator="name")]
+class BrowseConfig(_Config):
+    name: Literal["browse"] = "browse"
+    world_size: int = Field(
+        120,
+        ge=30,
+        le=2000,
+        description="pages (entities) in each generated world; episode seed s plays world s, whose names "
+        "never occur in a held-out world (seeds >= 10^9)",
+    )
+    min_hops: int = Field(2, ge=2, le=6, description="fewest pages a question needs read (supporting pages)")
+    max_hops: int = Field(
+        4, ge=2, le=6, description="most pages a question needs read; each seed draws its count in between"
+    )
+    results: int = Field(5, ge=3, le=20, description="results per search (a chain's first page ranks top 3)")
+    action_tokens: int = Field(64, ge=8, description="max tokens per tool call")
+    system: str | None = Field(
+        browse.SYSTEM, description=f"system message (default: {browse.SYSTEM!r}; {_PRECEDENCE})"
+    )
+
+    @model_validator(mode="after")
+    def _hops(self):
+        if self.min_hops > self.max_hops:
+            raise ValueError(f"min_hops ({self.min_hops}) is over max_hops ({self.max_hops})")
+        return self
+
+
+EnvConfig = Annotated[
+    BrowseConfig | CountConfig | RecallConfig | RoomsConfig | TextWorldConfig, Field(discriminator="name")
+]
 
 
 def make_env(cfg) -> Env:
     args = cfg.model_dump(exclude={"name"})
-    envs = {"count": CountEnv, "recall": RecallEnv, "rooms": RoomsEnv, "textworld": TextWorldEnv}
+    envs = {
+        "browse": BrowseEnv,
+        "count": CountEnv,
+        "recall": RecallEnv,
+        "rooms": RoomsEnv,
+        "textworld": TextWorldEnv,
+    }
     return envs[cfg.name](**args)

@@ -1,0 +1,31 @@
+"""The scripted solver: from the env's state, the next correct tool call.
+
+Per chain of the question it searches for the first page's title, opens that page from the
+results (by page id, so distractors ranked above it do not fool it), then follows the page's link
+to the next page of the chain, and so on; then it answers, citing the cursors of the pages it read.
+It reads only what the tool outputs showed: the link ids come from the outputs themselves.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def next_action(env) -> str:
+    q, outs = env.question, env.outputs
+    opened = {o.page: c for c, o in enumerate(outs) if o.page is not None}
+    cite: list[int] = []
+    for chain in q.chains:
+        for j, page in enumerate(chain):
+            if page in opened:
+                cite.append(opened[page])
+                continue
+            if j > 0:
+                src = opened[chain[j - 1]]
+            else:
+                found = [c for c, o in enumerate(outs) if o.page is None and page in o.links]
+                if not found:
+                    return f"search({json.dumps(env.corpus.world.pages[page].title)})"
+                src = found[-1]
+            return f"open(cursor={src}, id={outs[src].links.index(page) + 1})"
+    return f"answer({json.dumps(q.answer)}, cite={sorted(set(cite))})"

@@ -1,0 +1,105 @@
+"""Tool outputs as cursors in the stream (issue 15): the browse env's cursor ids label each step's
+tokens in the trace, and the cursor rules delete whole cursors, in place (stream) or by
+re-prefilling the rest (reprefill). Episodes are the scripted solver's (SFT demonstrations, rendered
+by the rollout runner as rollouts are)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from compactrl.agent.batch import run_episodes
+from compactrl.agent.chat import ChatFormat
+from compactrl.agent.rollout import RolloutSettings
+from compactrl.compaction import (
+    Context,
+    DropOpenedSearchConfig,
+    KeepLastCursorsConfig,
+    StepView,
+    build_strategy,
+)
+from compactrl.compaction.cursors import cursor_steps
+from compactrl.engine import Engine
+from compactrl.envs.browse import BrowseEnv
+from compactrl.models.tiny import write_tiny_model
+from compactrl.trace import NO_CURSOR
+
+SEEDS = [3, 4]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    engine = Engine.from_pretrained(write_tiny_model(tmp_path_factory.mktemp("m") / "m"))
+    return engine, ChatFormat.from_tokenizer(engine.tokenizer)
+
+
+def play(setup, strategy_cfg, mode):
+    engine, fmt = setup
+    make = lambda: BrowseEnv(world_size=40, min_hops=3, max_hops=4)  # noqa: E731
+    strategy = build_strategy(strategy_cfg) if strategy_cfg is not None else None
+    settings = RolloutSettings(max_tokens=64, max_turns=16)
+    results = asyncio.run(run_episodes(engine, fmt, make, strategy, mode, settings, SEEDS, 2, demo=True))
+    for r in results:
+        assert r.error is None and r.reward == 1.0, r.error
+    return results, fmt
+
+
+def spans(trace) -> dict[int, np.ndarray]:
+    """cursor id -> its token indices."""
+    return {int(c): np.flatnonzero(trace.cursor == c) for c in set(trace.cursor.tolist()) - {NO_CURSOR}}
+
+
+def test_every_step_with_a_tool_output_is_its_cursor(setup):
+    results, fmt = play(setup, None, "full")
+    for r in results:
+        (t,) = r.traces
+        cur = spans(t)
+        assert sorted(cur) == list(range(len(cur))) and len(cur) == r.turns - 1  # every call but the answer
+        for c, idx in cur.items():
+            assert (np.diff(idx) == 1).all()  # one contiguous span: the call, then its output
+            text = fmt.tokenizer.decode(t.tokens[idx].tolist())
+            assert ("search(" in text or "open(" in text) and f"[Cursor {c}]" in text
+            assert text.index("(") < text.index(f"[Cursor {c}]")  # the call comes before its output
+
+
+def test_keep_last_cursors_evicts_exactly_the_older_cursors_in_place(setup):
+    results, _ = play(setup, KeepLastCursorsConfig(n=2), "stream")
+    full, _ = play(setup, None, "full")
+    for r, f in zip(results, full, strict=True):
+        (t,) = r.traces
+        assert (t.tokens == f.traces[0].tokens).all()  # the same stream: eviction renders nothing
+        cur = spans(t)
+        evicted = np.flatnonzero(t.evict_at < len(t))
+        kept_cursors = sorted(cur)[-2:]
+        assert set(t.cursor[evicted].tolist()) == set(cur) - set(kept_cursors)  # only whole old cursors
+        for c, idx in cur.items():
+            assert (t.evict_at[idx] < len(t)).all() == (c not in kept_cursors)
+        assert r.compactions == len(cur) - 2 and r.reprefilled_tokens == 0
+
+
+def test_reprefill_renders_the_kept_cursors_again_without_the_deleted_ones(setup):
+    stream, _ = play(setup, KeepLastCursorsConfig(n=2), "stream")
+    results, _ = play(setup, KeepLastCursorsConfig(n=2), "reprefill")
+    for r, s in zip(results, stream, strict=True):
+        assert r.segments == len(r.traces) == r.compactions + 1 and r.reprefilled_tokens > 0
+        last, (st,) = r.traces[-1], s.traces
+        live = spans(st)
+        for c in sorted(spans(last)):  # the last segment holds the last cursors, labelled as in the stream
+            assert (last.tokens[last.cursor == c] == st.tokens[live[c]]).all()
+        assert sorted(spans(last)) == sorted(live)[-2:]
+
+
+def test_drop_opened_search_deletes_a_search_once_a_link_from_it_is_opened(setup):
+    results, fmt = play(setup, DropOpenedSearchConfig(), "stream")
+    for r in results:
+        (t,) = r.traces
+        for c, idx in spans(t).items():
+            search = "Search results" in fmt.tokenizer.decode(t.tokens[idx].tolist())
+            assert (t.evict_at[idx] < len(t)).all() == search  # the solver opens from every search
+
+
+def test_a_cursor_that_is_not_live_is_named():
+    ctx = Context([StepView(0, 10, "", cursor=0), StepView(1, 10, "", cursor=2)], 5, 0, 2, 1, "")
+    assert cursor_steps(ctx, [2]) == [1]
+    with pytest.raises(ValueError, match=r"cursor\(s\) \[1\] are not live; live cursors: \[0, 2\]"):
+        cursor_steps(ctx, [1, 2])
