@@ -93,7 +93,7 @@ def test_drop_opened_search_deletes_a_search_once_a_link_from_it_is_opened(setup
     results, fmt = play(setup, DropOpenedSearchConfig(), "stream")
     for r in results:
         (t,) = r.traces
-        for c, idx in spans(t).items():
+        for idx in spans(t).values():
             search = "Search results" in fmt.tokenizer.decode(t.tokens[idx].tolist())
             assert (t.evict_at[idx] < len(t)).all() == search  # the solver opens from every search
 
