@@ -126,9 +126,10 @@ def rollout_cmd(
     table = Table(box=box.SIMPLE, title=f"{summary['env']} / {summary['strategy']} / {summary['mode']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for k, v in summary.items():
-        if k not in ("env", "strategy", "mode"):
-            table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
+    rows = {k: v for k, v in summary.items() if k not in ("env", "strategy", "mode", "non_completion")}
+    rows |= {f"non_completion.{c}": rate for c, rate in summary["non_completion"].items()}
+    for k, v in rows.items():
+        table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
     out.print(table)
 
 

@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from compactrl.agent.batch import run_episodes
+from compactrl.agent.batch import run_episodes, summarize
 from compactrl.agent.chat import ChatFormat
-from compactrl.agent.rollout import RolloutSettings
+from compactrl.agent.rollout import NON_COMPLETION, RolloutSettings
 from compactrl.compaction import (
     Context,
     DropOpenedSearchConfig,
@@ -33,9 +33,12 @@ def setup(tmp_path_factory):
     return engine, ChatFormat.from_tokenizer(engine.tokenizer)
 
 
+def make():
+    return BrowseEnv(world_size=40, min_hops=3, max_hops=4)
+
+
 def play(setup, strategy_cfg, mode):
     engine, fmt = setup
-    make = lambda: BrowseEnv(world_size=40, min_hops=3, max_hops=4)  # noqa: E731
     strategy = build_strategy(strategy_cfg) if strategy_cfg is not None else None
     settings = RolloutSettings(max_tokens=64, max_turns=16)
     results = asyncio.run(run_episodes(engine, fmt, make, strategy, mode, settings, SEEDS, 2, demo=True))
@@ -103,3 +106,16 @@ def test_a_cursor_that_is_not_live_is_named():
     assert cursor_steps(ctx, [2]) == [1]
     with pytest.raises(ValueError, match=r"cursor\(s\) \[1\] are not live; live cursors: \[0, 2\]"):
         cursor_steps(ctx, [1, 2])
+
+
+def test_the_summary_reports_accuracy_and_non_completion_by_cause(setup):
+    solved, _ = play(setup, KeepLastCursorsConfig(n=2), "stream")
+    s = summarize(solved)
+    assert s["accuracy"] == 1.0 and s["non_completion"] == dict.fromkeys(NON_COMPLETION, 0.0)
+    # a random model's calls do not parse: error observations until the turn limit, no crash
+    engine, fmt = setup
+    settings = RolloutSettings(max_tokens=16, max_turns=3)
+    sampled = asyncio.run(run_episodes(engine, fmt, make, None, "stream", settings, SEEDS, 2))
+    s = summarize(sampled)
+    assert s["errors"] == 0 and s["accuracy"] == 0.0 and s["non_completion"]["turn_limit"] == 1.0
+    assert all(r.info["error"] in ("malformed", "unknown_tool") and r.info["cursor"] is None for r in sampled)

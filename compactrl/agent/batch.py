@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from compactrl.agent.chat import ChatFormat
-from compactrl.agent.rollout import Episode, EpisodeResult, RolloutSettings
+from compactrl.agent.rollout import NON_COMPLETION, Episode, EpisodeResult, RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.engine import Engine, EngineConfig
@@ -177,6 +177,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
         "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
         "preemptions")}  # fmt: skip
+    n = max(1, len(results))
     return {
         "episodes": len(results),
         "errors": sum(r.error is not None for r in results),
@@ -187,6 +188,9 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "mean_turns": mean("turns"),
         "peak_live_kv": max((r.peak_live_kv for r in results), default=0),
         **total,
+        "non_completion": {c: sum(r.non_completion == c for r in results) / n for c in NON_COMPLETION},
+        # answered correctly, as the env says (info["correct"]; 0 for an env that never says)
+        "accuracy": sum(bool(r.info.get("correct")) for r in results) / n,
     }
 
 

@@ -35,6 +35,7 @@ from compactrl.trace import NO_CURSOR, Trace
 MODES = ("full", "reprefill", "stream")
 HEAD = -1  # owner of the protected system/task head
 AUX = -2  # owner of a compaction request and its answer (deleted unless kept)
+NON_COMPLETION = ("unparsable", "turn_limit", "position_limit", "error")  # why an episode did not finish
 
 
 class RolloutSettings(BaseModel):
@@ -106,7 +107,20 @@ class EpisodeResult:
 
     def metrics(self) -> dict[str, Any]:
         """Everything but the traces (one JSON line per episode)."""
-        return {k: v for k, v in self.__dict__.items() if k != "traces"}
+        out = {k: v for k, v in self.__dict__.items() if k != "traces"}
+        return out | {"non_completion": self.non_completion}
+
+    @property
+    def non_completion(self) -> str | None:
+        """Why the episode did not complete (None: it did): ``error``, ``position_limit``,
+        ``turn_limit``, or ``unparsable`` (it ended on an answer the env could not read)."""
+        if self.error:
+            return "error"
+        if self.at_position_limit:
+            return "position_limit"
+        if self.truncated:
+            return "turn_limit"
+        return "unparsable" if "said" in self.info and self.info["said"] is None else None
 
     def token_rewards(self) -> list[np.ndarray]:
         """Per trace, each step's reward on the last token of the action it rewards."""

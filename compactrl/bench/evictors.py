@@ -28,7 +28,7 @@ import torch
 
 from compactrl.agent.batch import run_episodes
 from compactrl.agent.chat import ChatFormat
-from compactrl.agent.rollout import RolloutSettings
+from compactrl.agent.rollout import NON_COMPLETION, RolloutSettings
 from compactrl.bench.trainer import machine_info
 from compactrl.compaction import EvictSteps, Markovian, SlidingWindow, build_strategy
 from compactrl.compaction.evictors import EVICTORS, H2O, RKV, TOVA, KNorm, SnapKV, StreamingLLM
@@ -79,16 +79,7 @@ def _run(engine: Engine, task: dict, strategy_cfg, evictor, mode: str, seeds: li
     wall = time.perf_counter() - t0
     evictor_s = sum(s.evictor.seconds for s in engine.sessions if s.evictor is not None)
     rewards = np.array([r.reward for r in results])
-    causes = {"unparsable": 0, "turn_limit": 0, "position_limit": 0, "error": 0}
-    for r in results:
-        if r.error:
-            causes["error"] += 1
-        elif r.at_position_limit:
-            causes["position_limit"] += 1
-        elif r.truncated:
-            causes["turn_limit"] += 1
-        elif r.info.get("said") is None:
-            causes["unparsable"] += 1
+    causes = {c: sum(r.non_completion == c for r in results) for c in NON_COMPLETION}
     traces = [t for r in results for t in r.traces]
     with torch.no_grad():
         replayed = stream_logprobs(engine.model, traces)
