@@ -175,9 +175,9 @@ def _type_name(ann: Any) -> str:
     ann, optional = _strip_optional(ann)
     if typing.get_origin(ann) is typing.Annotated:
         ann = typing.get_args(ann)[0]
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if _variants(ann):
-        name = "table: " + " \\| ".join(f"`{v}`" for v in _variants(ann))
+    origin, args, variants = typing.get_origin(ann), typing.get_args(ann), _variants(ann)
+    if variants:
+        name = "table: " + " \\| ".join(f"`{v}`" for v in variants)
     elif origin is typing.Literal:
         name = " \\| ".join(toml_value(a) for a in args)
     elif origin in (list, tuple) or ann in (list, tuple):

@@ -57,7 +57,6 @@ from pathlib import Path
 import torch
 
 from compactrl.compaction.evictors import H2O, TOVA, KNorm, SnapKV, StreamingLLM
-from compactrl.models.attention import attend
 from compactrl.models.decoder import CausalLM
 
 SCRIPT = Path(__file__).with_name("kvpress_scores.py")
@@ -123,18 +122,23 @@ def evictors(n: int, window: int = 8, kernel: int = 5, sinks: int = 4) -> dict:
 
 @torch.no_grad()
 def prefill_qk(lm: CausalLM, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the post-RoPE queries ``[N, H, D]`` and keys ``[Hkv, N, D]`` of a causal prefill
-    (the forward of :class:`~compactrl.models.decoder.DecoderLayer`, op for op)."""
-    T = len(tokens)
-    x = lm.model.embed_tokens(torch.tensor(tokens)[None])
-    cos, sin = lm.rope(torch.arange(T)[None], x.dtype)
+    """Per layer, the post-RoPE queries ``[N, H, D]`` and keys ``[Hkv, N, D]`` of a causal prefill,
+    taken from the model's own forward (each layer's :meth:`Attention.project`)."""
     out = []
     for layer in lm.model.layers:
-        a = layer.self_attn
-        q, k, v = a.project(layer.input_layernorm(x), cos, sin)
-        x = x + a.o_proj(attend(q, k, v, None).transpose(1, 2).reshape(1, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        out.append((q[0].transpose(0, 1), k[0]))
+        attn = layer.self_attn
+
+        def project(x, cos, sin, _own=attn.project):
+            q, k, v = _own(x, cos, sin)
+            out.append((q[0].transpose(0, 1), k[0]))
+            return q, k, v
+
+        attn.project = project  # an instance attribute over the method, removed below
+    try:
+        lm.hidden_states(torch.tensor(tokens), torch.arange(len(tokens)))
+    finally:
+        for layer in lm.model.layers:
+            del layer.self_attn.project
     return out
 
 

@@ -148,9 +148,10 @@ def build_strategy(cfg) -> Strategy | None:
         )
     if isinstance(cfg, EvictSteps):
         return Strategy(cfg.name, AtStep(cfg.at_step), DropSteps(tuple(cfg.steps)), params)
-    rule = {KeepLastCursorsConfig: lambda: KeepLastCursors(cfg.n), DropOpenedSearchConfig: DropOpenedSearch,
-            DropUnreferencedConfig: lambda: DropUnreferenced(cfg.m)}.get(type(cfg))  # fmt: skip
-    if rule is not None:
-        plan = rule()
-        return Strategy(cfg.name, plan, plan, params)
+    if isinstance(cfg, KeepLastCursorsConfig):  # a cursor rule is its own trigger and plan
+        return Strategy(cfg.name, rule := KeepLastCursors(cfg.n), rule, params)
+    if isinstance(cfg, DropOpenedSearchConfig):
+        return Strategy(cfg.name, rule := DropOpenedSearch(), rule, params)
+    if isinstance(cfg, DropUnreferencedConfig):
+        return Strategy(cfg.name, rule := DropUnreferenced(cfg.m), rule, params)
     raise TypeError(f"unknown strategy config {cfg!r}")
