@@ -65,6 +65,21 @@ def test_every_step_with_a_tool_output_is_its_cursor(setup):
             assert text.index("(") < text.index(f"[Cursor {c}]")  # the call comes before its output
 
 
+def test_solver_traces_render_as_the_rollout_runner_renders_them(setup):
+    """The SFT warm-up's full-context demonstrations (demo_trace) are token for token the episodes
+    the rollout runner plays when the solver writes each call, trained tokens included."""
+    from compactrl.rl.demos import demo_trace
+
+    results, fmt = play(setup, None, "full")
+    for r in results:
+        (t,) = r.traces
+        ref = demo_trace(fmt, make(), r.seed)
+        assert np.array_equal(t.tokens, ref.tokens) and np.array_equal(t.trainable, ref.trainable)
+        assert np.array_equal(t.role, ref.role) and r.info["correct"]
+    other = demo_trace(fmt, make(), SEEDS[0] + 100)  # a negative control: another question differs
+    assert not np.array_equal(other.tokens[: len(t)], t.tokens[: len(other)])
+
+
 def test_keep_last_cursors_evicts_exactly_the_older_cursors_in_place(setup):
     results, _ = play(setup, KeepLastCursorsConfig(n=2), "stream")
     full, _ = play(setup, None, "full")
@@ -119,3 +134,4 @@ def test_the_summary_reports_accuracy_and_non_completion_by_cause(setup):
     s = summarize(sampled)
     assert s["errors"] == 0 and s["accuracy"] == 0.0 and s["non_completion"]["turn_limit"] == 1.0
     assert all(r.info["error"] in ("malformed", "unknown_tool") and r.info["cursor"] is None for r in sampled)
+    assert all(r.info["malformed_calls"] == 3 and r.info["hops"] >= 3 for r in sampled)  # counted at the limit

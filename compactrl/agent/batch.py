@@ -187,6 +187,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "mean_reward": mean("reward"),
         "mean_turns": mean("turns"),
         "peak_live_kv": max((r.peak_live_kv for r in results), default=0),
+        "mean_peak_live_kv": mean("peak_live_kv"),
         **total,
         "non_completion": {c: sum(r.non_completion == c for r in results) / n for c in NON_COMPLETION},
         # answered correctly, as the env says (info["correct"]; 0 for an env that never says)

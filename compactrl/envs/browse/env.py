@@ -132,11 +132,15 @@ class BrowseEnv:
                 out = self.corpus.open(c, self._link(args["cursor"], args["id"]))
         except CallError as e:
             self.errors[e.kind] += 1
-            info = {"tool": None, "cursor": None, "refs": [], "error": e.kind}
+            info = {"tool": None, "cursor": None, "refs": [], "error": e.kind, **self._counts()}
             return Step(f"[Error] {e} Syntax: {SYNTAX}", info=info, max_tokens=self.action_tokens)
         self.outputs.append(out)
-        info = {"tool": tool, "cursor": c, "refs": refs, "error": None}
+        info = {"tool": tool, "cursor": c, "refs": refs, "error": None, **self._counts()}
         return Step(out.text, info=info, max_tokens=self.action_tokens)
+
+    def _counts(self) -> dict:
+        """In every step's info, so an episode cut off at the turn limit reports them too."""
+        return {"malformed_calls": sum(self.errors.values()), "errors": dict(self.errors), "hops": self.question.hops}
 
     def _cursor(self, c: int) -> int:
         if not 0 <= c < len(self.outputs):
@@ -168,9 +172,7 @@ class BrowseEnv:
             "correct": correct,
             "cite": cite,
             "support_cursors": [i for i, o in enumerate(self.outputs) if o.page in q.support],
-            "malformed_calls": sum(self.errors.values()),
-            "errors": dict(self.errors),
-            "hops": q.hops,
+            **self._counts(),
         }
         return Step("", reward=float(correct), done=True, info=info)
 
