@@ -101,13 +101,17 @@ def play_demos(tmp_path, mode, strategy, seeds=(0, 1)):
 
 
 def test_runner_demos_equal_the_full_context_demo_traces(tmp_path):
-    """With full context the runner renders a demonstration token for token as demo_trace does."""
+    """With full context the runner renders a demonstration token for token as demo_trace does,
+    and the engine scores the teacher-forced tokens: the trainer's log-probs, not a placeholder."""
     fmt, results = play_demos(tmp_path, "full", None)
+    model = load_model(tmp_path / "m")
     for r in results:
         (t,) = r.traces
         ref = demo_trace(fmt, RoomsEnv(n_rooms=6, filler=2), r.seed)
         assert np.array_equal(t.tokens, ref.tokens) and np.array_equal(t.trainable, ref.trainable)
-        assert r.reward == 1.0 and np.all(t.logprobs[t.trainable] == 0.0)
+        (lp,) = stream_logprobs(model, [t])
+        assert r.reward == 1.0 and np.abs(lp.detach().double().numpy()[t.trainable] - t.logprobs[t.trainable]).max() < 5e-5
+        assert (t.logprobs[t.trainable] < -1).mean() > 0.5  # a random model finds the answers unlikely
 
 
 def test_runner_demos_under_summary_compaction_stream_and_reprefill(tmp_path):

@@ -192,6 +192,21 @@ def test_model_logprobs_are_raw_log_softmax_at_sampled_token():
     assert (out.logprobs > out.model_logprobs).all()  # truncation + low temperature sharpen the top tokens
 
 
+def test_forced_tokens_are_emitted_and_scored_under_the_sampling_distribution():
+    """Teacher forcing: the forced rows emit their token, with its log-prob under that row's
+    (tempered, truncated) distribution; the other rows sample as they would alone."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([1.0, 0.7, 0.0, 1.0])]
+    free = sample(logits, params)
+    forced = [7, 3, 9, None]
+    out = SAMPLER.sample(logits, params, [make_generator(p.seed) for p in params], forced)
+    assert out.tokens.tolist()[:3] == [7, 3, 9] and out.tokens[3] == free.tokens[3]
+    scaled = logits.double() / torch.tensor([1.0, 0.7, 1.0, 1.0], dtype=torch.float64)[:, None]
+    ref = scaled.log_softmax(-1).gather(-1, out.tokens[:, None]).squeeze(-1)  # greedy: untempered
+    torch.testing.assert_close(out.logprobs, ref)
+    assert out.tokens[0] != free.tokens[0] or out.tokens[1] != free.tokens[1]  # forcing changed a draw
+
+
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
@@ -204,6 +219,7 @@ def test_model_logprobs_are_raw_log_softmax_at_sampled_token():
         ({"stop_token_ids": [-2]}, "stop_token_ids must be token ids >= 0"),
         ({"stop": [""]}, "stop strings must be non-empty"),
         ({"topp": 0.5}, "Extra inputs are not permitted"),
+        ({"forced": [1, 2, 3], "max_tokens": 2}, "forced needs at most max_tokens (2)"),
     ],
 )
 def test_params_validation_names_field_and_range(kwargs, needle):

@@ -165,7 +165,6 @@ class Episode:
         self.next_id = 0
         self.messages = 0  # seeds each generation: same seeds in every mode
         self.demo = demo  # the env writes every answer (demo_action, demo_summary): an SFT demonstration
-        self.demo_spans: list[tuple[int, int, int]] = []  # (session, start, end) of the env's answers
         self.cursor_of: dict[int, int] = {}  # step id -> the cursor id of its tool output
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
 
@@ -214,16 +213,13 @@ class Episode:
         )  # fmt: skip
         self.messages += 1
         start = len(self.session.tokens)
-        if self.demo:
-            toks = self._demonstrated(role, max_tokens, ctx)
-            self._add(owner, toks, role, turn)
-            self.demo_spans.append((len(self.sessions), start, start + len(toks)))
-        else:
-            gen = await self.session.agenerate(params, role=role, turn=turn)
-            toks = list(gen.tokens)
-            self._record(owner, toks, start, turn)
-            if gen.finish_reason == "position_limit":
-                raise _AtPositionLimit
+        if self.demo:  # teacher-forced: the engine scores the demonstration as if it had sampled it
+            params = params.model_copy(update={"forced": self._demonstrated(role, max_tokens, ctx)})
+        gen = await self.session.agenerate(params, role=role, turn=turn)
+        toks = list(gen.tokens)
+        self._record(owner, toks, start, turn)
+        if gen.finish_reason == "position_limit":
+            raise _AtPositionLimit
         self.last_generated = start + len(toks) - 1
         self._add(owner, self.chat.close(toks), role, turn)
         self.result.generated_tokens += len(toks)
@@ -406,8 +402,6 @@ class Episode:
             r.evictions += m.evictions
             r.preemptions += m.preemptions
             t = sess.trace()
-            for _, a, b in [span for span in self.demo_spans if span[0] == i]:
-                t.trainable[a:b], t.logprobs[a:b] = True, 0.0  # the demonstration is what SFT learns
             if self.mode == "reprefill":
                 t.segment[:] = i
             t.meta = {"env": r.env, "seed": r.seed, "mode": r.mode, "strategy": r.strategy,

@@ -265,7 +265,8 @@ class Engine:
     def _sample(self, ready: list[Session]) -> None:
         gens: list[Generation] = [s.generation for s in ready]
         logits = torch.stack([s.pending_logits for s in ready])
-        out = self.sampler.sample(logits, [g.params for g in gens], [g.generator for g in gens])
+        forced = [g.params.forced[len(g.tokens)] if g.params.forced else None for g in gens]
+        out = self.sampler.sample(logits, [g.params for g in gens], [g.generator for g in gens], forced)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         mlps = out.model_logprobs.tolist() if out.model_logprobs is not None else [None] * len(ready)
         for s, g, tok, lp, mlp in zip(ready, gens, toks, lps, mlps, strict=True):
@@ -274,7 +275,7 @@ class Engine:
             g.tokens.append(tok)
             g.logprobs.append(lp)
             s.metrics.decode_tokens += 1
-            if tok in g.stop_ids:
+            if tok in g.stop_ids or len(g.tokens) == len(g.params.forced):
                 g._finish("stop")
             elif g.params.stop and find_stop(self._tail_text(g), g.params.stop) is not None:
                 g._finish("stop")

@@ -35,6 +35,9 @@ class SamplingParams(pydantic.BaseModel):
     ignore_eos: bool = False
     stop: list[str] = []
     model_logprobs: bool = False
+    # teacher forcing: emit exactly these tokens (a demonstration), each scored as if sampled (its
+    # log-prob under this distribution), so a demonstrated trace is checked like a sampled one
+    forced: list[int] = []
 
     @pydantic.field_validator("max_tokens")
     @classmethod
@@ -70,6 +73,13 @@ class SamplingParams(pydantic.BaseModel):
         if any(t < 0 for t in v):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {v}")
         return v
+
+    @pydantic.model_validator(mode="after")
+    def _forced(self) -> SamplingParams:
+        if len(self.forced) > self.max_tokens or any(t < 0 for t in self.forced):
+            raise ValueError(f"forced needs at most max_tokens ({self.max_tokens}) token ids >= 0, "
+                             f"got {len(self.forced)}")  # fmt: skip
+        return self
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -118,8 +128,13 @@ class Sampler:
     """Samples one token per row. Stateless: each request owns its generator (see ``make_generator``)."""
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[random.Random | None],
+        forced: list[int | None] | None = None,
     ) -> SampleOutput:
+        """``forced``: per row a token to emit instead of a draw (teacher forcing), or None."""
         B, V = logits.shape
         assert len(params) == B and len(generators) == B, "one SamplingParams and generator per row"
         # float64: over a real vocabulary (49k) a float32 log-softmax alone is off by ~3e-5 nats, which
@@ -155,6 +170,9 @@ class Sampler:
             tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_max(V - 1)
             if any(greedy):
                 tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), tokens)
+        if forced is not None and any(f is not None for f in forced):
+            force = torch.tensor([f is not None for f in forced], device=dev)
+            tokens = torch.where(force, torch.tensor([f or 0 for f in forced], device=dev), tokens)
         logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1)
         want_model = any(p.model_logprobs for p in params)
         model_out = model_lp.gather(-1, tokens[:, None]).squeeze(-1) if want_model else None
