@@ -126,7 +126,10 @@ def rollout_cmd(
     table = Table(box=box.SIMPLE, title=f"{summary['env']} / {summary['strategy']} / {summary['mode']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    rows = {k: v for k, v in summary.items() if k not in ("env", "strategy", "mode", "non_completion")}
+    skip = {"env", "strategy", "mode", "non_completion"}
+    if not summary["aux_calls"]:  # SideQuest's counters only when an auxiliary thread ran
+        skip |= {"aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors", "aux_tokens"}
+    rows = {k: v for k, v in summary.items() if k not in skip}
     rows |= {f"non_completion.{c}": rate for c, rate in summary["non_completion"].items()}
     for k, v in rows.items():
         table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))

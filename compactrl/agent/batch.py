@@ -176,7 +176,8 @@ def summarize(results: list[EpisodeResult]) -> dict:
     total = {k: int(sum(getattr(r, k) for r in results)) for k in (
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
         "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
-        "preemptions")}  # fmt: skip
+        "preemptions", "aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
+        "aux_tokens")}  # fmt: skip
     n = max(1, len(results))
     return {
         "episodes": len(results),
@@ -227,7 +228,7 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
     with open(run_dir / "episodes.jsonl", "w") as f:
         for r in results:
             f.write(json.dumps(r.metrics()) + "\n")
-    save_traces(run_dir / "traces.jsonl", [t for r in results for t in r.traces])
+    save_traces(run_dir / "traces.jsonl", [t for r in results for t in r.traces + r.aux_traces])
     summary = summarize(results) | {
         "mode": cfg.mode,
         "strategy": cfg.strategy.name,

@@ -131,6 +131,12 @@ class Conversation:
         self.messages: list[dict[str, str]] = []
         self._memo: dict[tuple, str] = {}
 
+    def fork(self) -> Conversation:
+        """A copy to continue separately (an auxiliary thread's), this one unchanged."""
+        other = Conversation(self.fmt)
+        other.messages, other._memo = list(self.messages), dict(self._memo)
+        return other
+
     def _context(self) -> list[dict[str, str]]:
         return self.messages if self.fmt.rewrites == "error" else self.messages[:1]
 

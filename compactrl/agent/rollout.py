@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, Strategy
+from compactrl.compaction.sidequest import AuxThread, aux_answer
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.envs.base import Env, EnvError, guarded
 from compactrl.trace import NO_CURSOR, Trace
@@ -97,6 +98,11 @@ class EpisodeResult:
     evictions: int = 0  # eviction calls (compactions in stream mode, a token evictor's)
     preemptions: int = 0
     pick_fallbacks: int = 0
+    aux_calls: int = 0  # SideQuest: auxiliary threads run
+    deleted_cursors: int = 0  # cursors their answers deleted
+    aux_parse_failures: int = 0  # answers with no readable {"del_cursors": [...]}
+    aux_unknown_cursors: int = 0  # named cursors that were not open (never made, or deleted)
+    aux_tokens: int = 0  # tokens the auxiliary threads generated (never in the main stream)
     truncated: bool = False
     at_position_limit: bool = False  # truncated because the stream reached the model's positions
     error: str | None = None
@@ -104,10 +110,11 @@ class EpisodeResult:
     info: dict[str, Any] = field(default_factory=dict)
     step_rewards: list[tuple[int, int, float]] = field(default_factory=list)  # (trace, token, reward)
     traces: list[Trace] = field(default_factory=list, repr=False)
+    aux_traces: list[Trace] = field(default_factory=list, repr=False)  # one per auxiliary thread
 
     def metrics(self) -> dict[str, Any]:
         """Everything but the traces (one JSON line per episode)."""
-        out = {k: v for k, v in self.__dict__.items() if k != "traces"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("traces", "aux_traces")}
         return out | {"non_completion": self.non_completion}
 
     @property
@@ -167,6 +174,8 @@ class Episode:
         self.demo = demo  # the env writes every answer (demo_action, demo_summary): an SFT demonstration
         self.cursor_of: dict[int, int] = {}  # step id -> the cursor id of its tool output
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
+        self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
+        self.aux: asyncio.Task | None = None  # the auxiliary thread in flight (SideQuest)
 
     # ---- stream building ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -297,7 +306,10 @@ class Episode:
                 p.owner = sid
             if decision.resume:
                 self._message(sid, "user", decision.resume)
-        gone |= {AUX}
+        await self._delete(gone | {AUX})
+
+    async def _delete(self, gone: set[int]) -> None:
+        """Delete steps (and a request's pieces): evict them in place, or re-prefill the rest."""
         for sid in gone:
             self.kinds.pop(sid, None)
         dropped = [p for p in self.pieces if p.owner in gone]
@@ -316,6 +328,65 @@ class Episode:
             for p in old:
                 self._add(p.owner, p.tokens, self._role(p), p.turn, p.origins)
             self.result.segments += 1
+
+    # ---- SideQuest's auxiliary thread ---------------------------------------------------------------
+    def _live_cursors(self) -> dict[int, int]:
+        return {c: sid for sid, c in self.cursor_of.items() if sid in self.kinds}
+
+    def _aux_start(self, action: int) -> None:
+        """Fork the main thread (its KV shared, at this step boundary) and start the auxiliary
+        thread on the fork; the main thread goes on (parallel) or waits for it (sequential)."""
+        plan, r = self.strategy.plan, self.result
+        chat = self.chat.fork()
+        turn = len(chat.messages)
+        child = self.session.fork(f"{self.rollout_id}-aux{action}")
+        fork_at = len(child.tokens)
+        params = SamplingParams(
+            max_tokens=plan.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p,
+            top_k=self.settings.top_k, stop_token_ids=list(self.fmt.stop_ids),
+            seed=self.sample_seed * 100_003 + self.messages,
+        )  # fmt: skip
+        self.messages += 1
+        r.aux_calls += 1
+        if self.demo:  # the env's memory oracle writes the answer, teacher-forced
+            live = sorted(self._live_cursors())
+            info = [(c, self.cursors[c]["tool"], self.cursors[c]["last_used"]) for c in self.env.demo_deletions(live)]
+            toks = self.fmt.tokenizer.encode(aux_answer(info)) + [self.fmt.stop_ids[0]]
+            params = params.model_copy(update={"forced": toks, "max_tokens": max(len(toks), plan.max_tokens)})
+        prompt = chat.message("user", plan.trigger), chat.prompt()
+        self.aux = asyncio.ensure_future(self._aux_run(child, prompt, params, turn, fork_at, action))
+
+    async def _aux_run(self, child, prompt, params: SamplingParams, turn: int, fork_at: int, action: int) -> str:
+        """The thread's answer text; its trace is kept, only its own tokens trainable (the prefix
+        is the main thread's, trained there)."""
+        r = self.result
+        try:
+            child.append(prompt[0], role="user", turn=turn)
+            child.append(prompt[1], role="assistant", turn=turn + 1)
+            gen = await child.agenerate(params, role="assistant", turn=turn + 1)
+            answer = self.fmt.text(gen.tokens)
+            r.aux_tokens += len(gen.tokens)
+        except SessionError:  # no room (positions or pool) for the thread: it deletes nothing
+            answer = ""
+        t = child.trace()
+        child.close()
+        t.trainable[:fork_at], t.logprobs[:fork_at] = False, np.nan
+        t.meta = {"aux": True, "action": action, "fork_at": fork_at}
+        r.aux_traces.append(t)
+        return answer
+
+    async def _aux_collect(self, wait: bool = False) -> None:
+        """At a main-thread step boundary: apply a finished auxiliary thread's deletions."""
+        if self.aux is None or not (wait or self.aux.done()):
+            return
+        answer, self.aux = await self.aux, None
+        r, live = self.result, self._live_cursors()
+        delete, unknown = self.strategy.plan.split(answer, set(live))
+        r.aux_parse_failures += delete is None
+        r.aux_unknown_cursors += len(unknown)
+        if delete:
+            r.deleted_cursors += len(delete)
+            await self._delete({live[c] for c in delete})
 
     def _role(self, p: _Piece) -> str:
         return self.sessions[-1].role[p.start] if p.tokens else "user"
@@ -365,16 +436,25 @@ class Episode:
                 self._note_cursor(sid, out.info, r.turns)
                 incoming = len(self.chat.message("user", out.observation, record=False))
                 ctx = self._context(r.turns, since, action, incoming)
-                if self.strategy is not None and self.strategy.trigger(ctx):
+                if self.sidequest:
+                    await self._aux_collect()
+                elif self.strategy is not None and self.strategy.trigger(ctx):
                     await self._compact(ctx)
                     since = 0
                 self._message(sid, "user", out.observation)
+                if self.sidequest and self.aux is None and self.strategy.trigger(ctx):
+                    self._aux_start(r.turns)
+                    if not self.strategy.plan.parallel:  # sequential: the main thread waits for it
+                        await self._aux_collect(wait=True)
                 hint = out.max_tokens
         except _AtPositionLimit:
             r.truncated = r.at_position_limit = True
         except (EnvError, SessionError) as e:
             r.error = f"{type(e).__name__}: {e}"
         finally:
+            if self.aux is not None:  # the episode ended first: the thread's answer deletes nothing
+                await asyncio.wait([self.aux])
+                self.aux = None
             if self.session is not None:
                 self.sessions.append(self.session)
                 self.session = None

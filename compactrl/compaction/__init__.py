@@ -21,6 +21,7 @@ from compactrl.compaction.base import (
 )
 from compactrl.compaction.cursors import DropOpenedSearch, DropUnreferenced, KeepLastCursors
 from compactrl.compaction.pick import Pick
+from compactrl.compaction.sidequest import TRIGGER, AuxEvery, AuxThread
 from compactrl.compaction.summary import Summarize
 from compactrl.compaction.window import DropOldest, DropSteps
 
@@ -117,6 +118,21 @@ class DropUnreferencedConfig(_Config):
     m: int = Field(3, ge=1, description="actions without a reference after which a cursor goes")
 
 
+class SideQuestConfig(_Config):
+    """SideQuest: after every ``every``-th action an auxiliary thread, a fork sharing the main
+    thread's KV, names the tool outputs (cursors) to delete; its tokens never enter the main stream."""
+
+    name: Literal["sidequest"] = "sidequest"
+    every: int = Field(2, ge=1, description="actions between auxiliary calls (the paper's 4 suits "
+                       "longer episodes than browse's 3-6 actions)")  # fmt: skip
+    parallel: bool = Field(
+        True, description="the main thread keeps acting while the auxiliary thread runs (its deletions "
+        "apply at the next step boundary); false: the main thread waits for it (an ablation)"
+    )  # fmt: skip
+    trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
+    max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
+
+
 StrategyConfig = Annotated[
     NoCompaction
     | SlidingWindow
@@ -126,7 +142,8 @@ StrategyConfig = Annotated[
     | EvictSteps
     | KeepLastCursorsConfig
     | DropOpenedSearchConfig
-    | DropUnreferencedConfig,
+    | DropUnreferencedConfig
+    | SideQuestConfig,
     Field(discriminator="name"),
 ]
 
@@ -154,4 +171,6 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(cfg.name, rule := DropOpenedSearch(), rule, params)
     if isinstance(cfg, DropUnreferencedConfig):
         return Strategy(cfg.name, rule := DropUnreferenced(cfg.m), rule, params)
+    if isinstance(cfg, SideQuestConfig):
+        return Strategy(cfg.name, AuxEvery(cfg.every), AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel), params)
     raise TypeError(f"unknown strategy config {cfg!r}")

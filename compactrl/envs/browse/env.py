@@ -20,7 +20,7 @@ from collections import Counter
 
 from compactrl.envs.base import Reset, Step
 from compactrl.envs.browse.questions import Question, draw_question, normalise
-from compactrl.envs.browse.solver import next_action
+from compactrl.envs.browse.solver import needed_cursors, next_action
 from compactrl.envs.browse.tools import Output, corpus
 
 SYSTEM = "You answer questions by browsing an encyclopedia. Reply with one tool call and nothing else."
@@ -179,6 +179,11 @@ class BrowseEnv:
     def demo_action(self) -> str:
         """The scripted solver's next call (an SFT demonstration)."""
         return next_action(self)
+
+    def demo_deletions(self, live: list[int]) -> list[int]:
+        """The live cursors the solver will not read again (SideQuest's demonstrated answer)."""
+        need = needed_cursors(self)
+        return [c for c in live if c not in need]
 
     def close(self) -> None:
         pass

@@ -31,3 +31,24 @@ def next_action(env) -> str:
                 src = found[-1]
             return f"open(cursor={src}, id={outs[src].links.index(page) + 1})"
     return f"answer({json.dumps(q.answer)}, cite={sorted(set(cite))})"
+
+
+def needed_cursors(env) -> set[int]:
+    """The cursors the solver will still read: per chain, the page its fact is on once opened (it is
+    cited), else the output it opens the chain's next page from; a chain not searched yet needs none."""
+    q, outs = env.question, env.outputs
+    opened = {o.page: c for c, o in enumerate(outs) if o.page is not None}
+    need: set[int] = set()
+    for chain in q.chains:
+        for j, page in enumerate(chain):
+            if page in opened:
+                if j == len(chain) - 1:
+                    need.add(opened[page])
+                continue
+            if j > 0:
+                need.add(opened[chain[j - 1]])
+            else:
+                found = [c for c, o in enumerate(outs) if o.page is None and page in o.links]
+                need.update(found[-1:])
+            break
+    return need
