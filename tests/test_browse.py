@@ -58,7 +58,9 @@ def test_the_solver_answers_every_question_citing_its_support(hops):
         assert info["hops"] == hops and info["malformed_calls"] == 0
         assert len(info["support_cursors"]) == hops == len(env.question.support)  # it read every page
         last = {chain[-1] for chain in env.question.chains}  # and cites the pages stating the facts
-        assert {env.outputs[c].page for c in info["cite"]} == last and set(info["cite"]) <= set(info["support_cursors"])
+        assert {env.outputs[c].page for c in info["cite"]} == last and set(info["cite"]) <= set(
+            info["support_cursors"]
+        )
 
 
 def test_the_answer_is_not_in_the_task():

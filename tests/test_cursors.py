@@ -134,4 +134,6 @@ def test_the_summary_reports_accuracy_and_non_completion_by_cause(setup):
     s = summarize(sampled)
     assert s["errors"] == 0 and s["accuracy"] == 0.0 and s["non_completion"]["turn_limit"] == 1.0
     assert all(r.info["error"] in ("malformed", "unknown_tool") and r.info["cursor"] is None for r in sampled)
-    assert all(r.info["malformed_calls"] == 3 and r.info["hops"] >= 3 for r in sampled)  # counted at the limit
+    assert all(
+        r.info["malformed_calls"] == 3 and r.info["hops"] >= 3 for r in sampled
+    )  # counted at the limit

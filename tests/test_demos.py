@@ -110,7 +110,10 @@ def test_runner_demos_equal_the_full_context_demo_traces(tmp_path):
         ref = demo_trace(fmt, RoomsEnv(n_rooms=6, filler=2), r.seed)
         assert np.array_equal(t.tokens, ref.tokens) and np.array_equal(t.trainable, ref.trainable)
         (lp,) = stream_logprobs(model, [t])
-        assert r.reward == 1.0 and np.abs(lp.detach().double().numpy()[t.trainable] - t.logprobs[t.trainable]).max() < 5e-5
+        assert (
+            r.reward == 1.0
+            and np.abs(lp.detach().double().numpy()[t.trainable] - t.logprobs[t.trainable]).max() < 5e-5
+        )
         assert (t.logprobs[t.trainable] < -1).mean() > 0.5  # a random model finds the answers unlikely
 
 

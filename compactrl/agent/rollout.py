@@ -350,13 +350,18 @@ class Episode:
         r.aux_calls += 1
         if self.demo:  # the env's memory oracle writes the answer, teacher-forced
             live = sorted(self._live_cursors())
-            info = [(c, self.cursors[c]["tool"], self.cursors[c]["last_used"]) for c in self.env.demo_deletions(live)]
+            info = [
+                (c, self.cursors[c]["tool"], self.cursors[c]["last_used"])
+                for c in self.env.demo_deletions(live)
+            ]
             toks = self.fmt.tokenizer.encode(aux_answer(info)) + [self.fmt.stop_ids[0]]
             params = params.model_copy(update={"forced": toks, "max_tokens": max(len(toks), plan.max_tokens)})
         prompt = chat.message("user", plan.trigger), chat.prompt()
         self.aux = asyncio.ensure_future(self._aux_run(child, prompt, params, turn, fork_at, action))
 
-    async def _aux_run(self, child, prompt, params: SamplingParams, turn: int, fork_at: int, action: int) -> str:
+    async def _aux_run(
+        self, child, prompt, params: SamplingParams, turn: int, fork_at: int, action: int
+    ) -> str:
         """The thread's answer text; its trace is kept, only its own tokens trainable (the prefix
         is the main thread's, trained there)."""
         r = self.result

@@ -172,5 +172,7 @@ def build_strategy(cfg) -> Strategy | None:
     if isinstance(cfg, DropUnreferencedConfig):
         return Strategy(cfg.name, rule := DropUnreferenced(cfg.m), rule, params)
     if isinstance(cfg, SideQuestConfig):
-        return Strategy(cfg.name, AuxEvery(cfg.every), AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel), params)
+        return Strategy(
+            cfg.name, AuxEvery(cfg.every), AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel), params
+        )
     raise TypeError(f"unknown strategy config {cfg!r}")

@@ -140,7 +140,11 @@ class BrowseEnv:
 
     def _counts(self) -> dict:
         """In every step's info, so an episode cut off at the turn limit reports them too."""
-        return {"malformed_calls": sum(self.errors.values()), "errors": dict(self.errors), "hops": self.question.hops}
+        return {
+            "malformed_calls": sum(self.errors.values()),
+            "errors": dict(self.errors),
+            "hops": self.question.hops,
+        }
 
     def _cursor(self, c: int) -> int:
         if not 0 <= c < len(self.outputs):
