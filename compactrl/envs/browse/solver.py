@@ -2,8 +2,9 @@
 
 Per chain of the question it searches for the first page's title, opens that page from the
 results (by page id, so distractors ranked above it do not fool it), then follows the page's link
-to the next page of the chain, and so on; then it answers, citing the cursor of the last page of each chain: the page the answer's fact
-is on (the pages before it only led there, so a memory manager may drop them once followed).
+to the next page of the chain, and so on; then it answers, citing the cursor of the last page of
+each chain: the page the answer's fact is on (the pages before it only led there, so a memory
+manager may drop them once followed).
 It reads only what the tool outputs showed: the link ids come from the outputs themselves.
 """
 
