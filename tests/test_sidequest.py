@@ -115,3 +115,84 @@ def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
     s = summarize(results)
     assert s["errors"] == 0 and s["aux_calls"] > 0 and s["aux_parse_failures"] == s["aux_calls"]
     assert s["deleted_cursors"] == 0 and s["evicted_tokens"] == 0
+
+
+# ---- hindsight labels -------------------------------------------------------------------------------
+def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup):
+    """The labeller on a full-context solver trace, with D = what expired at earlier calls, builds
+    the runner's sequential SideQuest forks token for token, mask for mask, trained tokens included."""
+    import random
+
+    from compactrl.rl.sidequest import hindsight_samples
+
+    _, fmt, _ = setup
+    for every in (1, 2):
+        full = play(setup, "full", every=every)
+        seq = play(setup, "stream", every=every)
+        for f, s in zip(full, seq, strict=True):
+            samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), split="history")
+            assert len(samples) == len(s.aux_traces) == s.aux_calls > 0
+            for x, a in zip(samples, s.aux_traces, strict=True):
+                assert np.array_equal(x.tokens, a.tokens) and np.array_equal(x.evict_at, a.evict_at)
+                assert np.array_equal(x.trainable, a.trainable) and x.role == a.role
+                assert np.array_equal(x.turn, a.turn)
+            said = [x.meta for x in samples]
+            assert any(m["deleted"] for m in said) and any(m["target"] for m in said)  # both parts used
+
+
+def hand_made_trace():
+    """system+task, then 3 tool calls (cursors 0, 1, 2; each opens from the one before) and an
+    answer citing cursor 2: three tokens per message."""
+    from compactrl.trace import Trace
+
+    turns = np.repeat(np.arange(10), 3)  # turn 0 system, 1 task, 2.. action/observation pairs
+    cursor = np.full(30, -1)
+    for c in range(3):
+        cursor[6 + 6 * c : 12 + 6 * c] = c
+    role = ["system"] * 3 + ["user"] * 3 + (["assistant"] * 3 + ["user"] * 3) * 4
+    facts = [[8, 0, [], "search"], [14, 1, [0], "open"], [20, 2, [1], "open"], [26, None, [2], "answer"]]
+    return Trace.from_tokens(np.arange(30) + 5, turn=turns, cursor=cursor, role=role,
+                             meta={"action_facts": facts})  # fmt: skip
+
+
+def test_last_use_expiry_and_calls_on_a_hand_made_trace():
+    from compactrl.rl.sidequest import actions_of, aux_calls, boundary, last_use
+
+    t = hand_made_trace()
+    acts = actions_of(t)
+    assert last_use(acts) == {0: 2, 1: 3, 2: 4}  # read by the next action, cited by the answer
+    assert aux_calls(4, 1) == [2, 3, 4] and aux_calls(4, 2) == [3] and aux_calls(4, 4) == []
+    assert [boundary(t, a) for a in acts] == [6, 12, 18, 24]
+    with pytest.raises(ValueError, match="no meta\\['action_facts'\\]"):
+        actions_of(type(t).from_tokens([1, 2]))
+
+
+def test_the_split_masks_d_from_the_input_and_asks_for_s(setup):
+    import random
+
+    from compactrl.rl.sidequest import hindsight_samples
+
+    _, fmt, _ = setup
+    t = hand_made_trace()
+    s2, s3, s4 = hindsight_samples(t, fmt, 1, random.Random(0), split="history")
+    assert (s2.meta["deleted"], s2.meta["target"]) == ([], [])  # nothing expired before action 2
+    assert (s3.meta["deleted"], s3.meta["target"]) == ([], [0])
+    assert (s4.meta["deleted"], s4.meta["target"]) == ([0], [1])
+    T = len(s4)
+    assert (s4.evict_at[6:12] == 18).all()  # cursor 0, deleted at the call it expired at (action 3)
+    assert (s4.evict_at[12:] == T).all() and (s4.evict_at[:6] == T).all()
+    said = fmt.tokenizer.decode(s4.tokens[s4.trainable].tolist())
+    assert said.startswith("Cursor 1 is a page, last used at action 3") and '{"del_cursors": [1]}' in said
+    assert not s4.trainable[: 24 + 1].any() and s4.trainable[-1]  # only the answer is trained
+    assert parse_deletions(fmt.tokenizer.decode(s2.tokens[s2.trainable].tolist())) == []
+    seen = set()
+    for seed in range(40):  # the paper's random split: D and S partition the expired set
+        s = hindsight_samples(t, fmt, 1, random.Random(seed))[2]
+        d, keep = s.meta["deleted"], s.meta["target"]
+        assert sorted(d + keep) == [0, 1] and not set(d) & set(keep)
+        for c in d:  # D is out of the input: nothing after its deletion point reads it
+            assert (s.evict_at[:24][t.cursor[:24] == c] <= 24).all()
+        for c in keep:
+            assert (s.evict_at[:24][t.cursor[:24] == c] == len(s)).all()
+        seen.add(tuple(sorted(d)))
+    assert seen == {(), (0,), (1,), (0, 1)}

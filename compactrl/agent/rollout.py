@@ -176,6 +176,7 @@ class Episode:
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
         self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
         self.aux: asyncio.Task | None = None  # the auxiliary thread in flight (SideQuest)
+        self.action_log: list[tuple[int, list]] = []  # (session, [end, cursor, refs, tool]) per action
 
     # ---- stream building ------------------------------------------------------------------------
     def _new_session(self) -> None:
@@ -433,6 +434,8 @@ class Episode:
                 r.reward += out.reward
                 r.step_rewards.append((len(self.sessions), last_token, float(out.reward)))
                 r.info = out.info
+                facts = [last_token, out.info.get("cursor"), list(out.info.get("refs", ())), out.info.get("tool")]
+                self.action_log.append((len(self.sessions), facts))
                 if out.done:
                     break
                 if r.turns >= s.max_turns:
@@ -491,5 +494,8 @@ class Episode:
                 t.segment[:] = i
             t.meta = {"env": r.env, "seed": r.seed, "mode": r.mode, "strategy": r.strategy,
                       "episode": r.episode, "segment": i, "reward": r.reward,
-                      "actions": r.turns, "position_limit": self.engine.position_limit}  # fmt: skip
+                      "actions": r.turns, "position_limit": self.engine.position_limit,
+                      # per action of this trace: its last token, the cursor it made, the cursors
+                      # it referred to, its tool (what SideQuest's hindsight labeller reads)
+                      "action_facts": [a for k, a in self.action_log if k == i]}  # fmt: skip
             r.traces.append(t)

@@ -1,0 +1,129 @@
+"""SideQuest's hindsight labels (its Algorithm 2) and the training samples built from them.
+
+On a correct trace, cursor ``c``'s last use ``l_c`` is the last action that reads it (a tool call
+naming it) or cites it (the final answer); the action right after a tool output reads that output
+too, so ``l_c`` is at least the action after the one that made it. Cursor ``c`` is expired at
+action ``t`` iff ``l_c < t``. At each auxiliary call (before action ``t``, every ``every`` actions,
+as the rollout runner calls it) the expired, still live cursors are split into ``D`` (pretended
+already deleted: evicted from the input at the call where they first expired, as a thread that had
+deleted them then would have left the cache) and ``S`` (still open: the targets). A sample is the
+trace up to the call with ``D`` evicted, the trigger, and the target: one templated line of
+hindsight facts per cursor of ``S`` (:func:`compactrl.compaction.sidequest.aux_answer`, no model
+writes it) then ``{"del_cursors": S}``; only the target is trained.
+
+The split is the paper's random one (``split="random"``), or ``"history"``: ``D`` = every cursor
+that expired at an earlier call, which is exactly what the runner's sequential SideQuest
+demonstrations hold at each call (a test checks it token for token and mask for mask).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.compaction.sidequest import TRIGGER, aux_answer
+from compactrl.trace import NO_CURSOR, Trace
+
+
+@dataclass(frozen=True)
+class Action:
+    number: int  # 1, 2, ... in stream order
+    end: int  # stream index of its last generated token
+    cursor: int | None  # the cursor its output became
+    refs: tuple[int, ...]  # the cursors it named (open) or cited (answer)
+    tool: str | None
+
+
+def actions_of(trace: Trace) -> list[Action]:
+    """The trace's actions, from the facts the rollout runner keeps in its meta."""
+    facts = trace.meta.get("action_facts")
+    if facts is None:
+        raise ValueError(
+            f"trace {trace.rollout_id!r} has no meta['action_facts']: label traces the rollout runner "
+            "wrote (compactrl rollout, or demonstrations played by the runner)"
+        )
+    return [Action(n, int(e), c, tuple(refs), tool) for n, (e, c, refs, tool) in enumerate(facts, 1)]
+
+
+def last_use(actions: list[Action]) -> dict[int, int]:
+    """cursor -> the action number of its last use (at least the action after the one that made it)."""
+    last = {a.cursor: a.number + 1 for a in actions if a.cursor is not None}
+    for a in actions:
+        for c in a.refs:
+            if c in last:
+                last[c] = max(last[c], a.number)
+    return last
+
+
+def aux_calls(n_actions: int, every: int) -> list[int]:
+    """The actions the auxiliary thread runs before: after every ``every``-th action, up to the last."""
+    return list(range(every + 1, n_actions + 1, every))
+
+
+def boundary(trace: Trace, action: Action) -> int:
+    """Where the action's message starts in the stream (the thread forks there, before it)."""
+    return int(np.flatnonzero(trace.turn == trace.turn[action.end])[0])
+
+
+def aux_prefix(fmt: ChatFormat, trigger: str = TRIGGER) -> tuple[list[int], list[int]]:
+    """The trigger message and the generation prompt, as the runner renders them mid-conversation."""
+    chat = fmt.conversation()
+    chat.message("system", "-")
+    chat.message("user", "-")
+    return chat.message("user", trigger), chat.prompt()
+
+
+def hindsight_samples(
+    trace: Trace,
+    fmt: ChatFormat,
+    every: int,
+    rng: random.Random,
+    split: Literal["random", "history"] = "random",
+    trigger: str = TRIGGER,
+) -> list[Trace]:
+    """One training sample per auxiliary call of a correct trace (one stream: full context or stream
+    mode; a re-prefill episode's segments are not one stream)."""
+    acts = actions_of(trace)
+    last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
+    calls = aux_calls(len(acts), every)
+    at = {t: boundary(trace, acts[t - 1]) for t in calls}
+    first_expired = {c: min((t for t in calls if l < t), default=None) for c, l in last.items()}
+    message, prompt = aux_prefix(fmt, trigger)
+    stop = fmt.stop_ids[0]
+    samples = []
+    for t in calls:
+        b = at[t]
+        live = [c for c in sorted(made) if made[c].end < b and trace.evict_at[made[c].end] > b]
+        expired = [c for c in live if last[c] < t]
+        if split == "history":
+            gone = [c for c in expired if first_expired[c] < t]
+        else:
+            gone = rng.sample(expired, rng.randint(0, len(expired)))
+        target = [c for c in expired if c not in gone]
+        answer = aux_answer([(c, made[c].tool, _last_used(acts, c, t)) for c in target])
+        target_ids = fmt.tokenizer.encode(answer) + [stop]
+        tail = message + prompt + target_ids
+        T, m, g = b + len(tail), len(message), len(prompt) + len(target_ids)
+        ev = np.r_[np.where(trace.evict_at[:b] <= b, trace.evict_at[:b], T), np.full(len(tail), T)]
+        for c in gone:  # deleted at the call it first expired at, as the thread would have
+            ev[:b][(trace.cursor[:b] == c) & (ev[:b] == T)] = at[first_expired[c]]
+        turn = int(trace.turn[b])  # the trigger takes the turn the action would have, as in the runner
+        samples.append(Trace.from_tokens(
+            np.r_[trace.tokens[:b], tail], evict_at=ev,
+            trainable=np.r_[np.zeros(T - len(target_ids), bool), np.ones(len(target_ids), bool)],
+            turn=np.r_[trace.turn[:b], np.full(m, turn), np.full(g, turn + 1)],
+            role=trace.role[:b] + ["user"] * m + ["assistant"] * g,
+            cursor=np.r_[trace.cursor[:b], np.full(len(tail), NO_CURSOR)],
+            rollout_id=f"{trace.rollout_id}-hindsight{t}",
+            meta={"aux": True, "action": t, "fork_at": b, "deleted": gone, "target": target},
+        ))  # fmt: skip
+    return samples
+
+
+def _last_used(acts: list[Action], c: int, t: int) -> int:
+    """The last action before ``t`` that made or named cursor ``c`` (what the context shows)."""
+    return max(a.number for a in acts[: t - 1] if a.cursor == c or c in a.refs)
