@@ -196,3 +196,48 @@ def test_the_split_masks_d_from_the_input_and_asks_for_s(setup):
             assert (s.evict_at[:24][t.cursor[:24] == c] == len(s)).all()
         seen.add(tuple(sorted(d)))
     assert seen == {(), (0,), (1,), (0, 1)}
+
+
+# ---- the objective ------------------------------------------------------------------------------------
+def test_step_parts_accumulate_the_scaled_sum_of_the_parts(setup):
+    from compactrl.rl.trainer import Sample, Trainer, TrainSettings
+
+    _, _, model = setup
+    full = play(setup, "full")
+    a = [Sample(r.traces[0], np.zeros(len(r.traces[0]), np.float32), i) for i, r in enumerate(full)]
+    b = [Sample(x, np.zeros(len(x), np.float32), i) for i, x in enumerate(play(setup, "stream")[0].aux_traces)]
+    trainer = Trainer(model, TrainSettings(lr=1e-3))
+
+    def grads():
+        return [p.grad.clone() for p in trainer.params]
+
+    trainer.backward(a, "sft")
+    ga = grads()
+    trainer.backward(b, "sft")
+    gb = grads()
+    trainer.backward(a, "sft")
+    trainer.backward(b, "sft", scale=3.0, zero=False)
+    for g, x, y in zip(grads(), ga, gb, strict=True):
+        torch.testing.assert_close(g, x + 3 * y, rtol=1e-5, atol=1e-6)
+    assert any((x - y).abs().max() > 1e-6 for x, y in zip(ga, gb, strict=True))  # the parts differ
+
+
+def test_the_sidequest_objective_learns_the_thread_and_stays_near_the_reference(tmp_path):
+    import json
+
+    from compactrl.config import load_config
+    from compactrl.rl.loop import TrainConfig, train
+
+    sets = [f"out={tmp_path}", "steps=12", "prompts=2", "threads=1", "model.path=", "model.size=tiny",
+            "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lora=", "train.lr=3e-3",
+            "sidequest.kl=5.0", "checkpoint_every=6"]  # fmt: skip
+    cfg = load_config(TrainConfig, "configs/sidequest/train.toml", sets)
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["phase"] == "sidequest" and r["aux_samples"] > 0 and r["correct"] == 1.0 for r in rows)
+    assert np.mean([r["aux_ce"] for r in rows[-3:]]) < 0.5 * np.mean([r["aux_ce"] for r in rows[:3]])
+    assert rows[0]["main_kl"] < 1e-6 and all(r["main_kl"] >= 0 for r in rows)  # it starts at the reference
+    assert max(r["main_kl"] for r in rows) > 0  # and the KL term sees the drift
+    assert (tmp_path / "reference" / "config.json").is_file()
+    with pytest.raises(ValueError, match="strategy.name = 'sidequest'"):
+        load_config(TrainConfig, "configs/sidequest/train.toml", [*sets[:7], "strategy="])

@@ -434,7 +434,12 @@ class Episode:
                 r.reward += out.reward
                 r.step_rewards.append((len(self.sessions), last_token, float(out.reward)))
                 r.info = out.info
-                facts = [last_token, out.info.get("cursor"), list(out.info.get("refs", ())), out.info.get("tool")]
+                facts = [
+                    last_token,
+                    out.info.get("cursor"),
+                    list(out.info.get("refs", ())),
+                    out.info.get("tool"),
+                ]
                 self.action_log.append((len(self.sessions), facts))
                 if out.done:
                     break

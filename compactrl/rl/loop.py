@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import tempfile
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compactrl.agent.batch import ModelSource, load_engine, run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import RolloutSettings
-from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
+from compactrl.compaction import SideQuestConfig, SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
@@ -55,8 +56,27 @@ from compactrl.rl.forward import stream_logprobs
 from compactrl.rl.monitor import LogSettings, Monitor, check_log_settings, note
 from compactrl.rl.run_dir import RunDirError, open_run_dir
 from compactrl.rl.sampler import BackgroundSampler, sample_batch
+from compactrl.rl.sidequest import hindsight_samples
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
 from compactrl.trace import save_traces
+
+
+class SideQuestTrain(BaseModel):
+    """objective = "sidequest": where the correct traces come from and how they are labelled; the
+    auxiliary thread's spacing and trigger are the run's ``[strategy]`` (name = "sidequest")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    traces: Literal["solver", "policy"] = Field(
+        "solver", description="solver: the env's demonstrations (played by the runner, full context); "
+        "policy: the policy's own full-context rollouts that score 1"
+    )  # fmt: skip
+    split: Literal["random", "history"] = Field(
+        "random", description="D/S split of the expired cursors — random: the paper's; history: D = "
+        "what expired at earlier calls (what a perfect thread would already have deleted)"
+    )  # fmt: skip
+    kl: float = Field(500.0, ge=0, description="lambda of the KL term (the paper's 500): top-k "
+                      "coarse-grained KL (train.distill_top_k), a lower bound on the exact one")  # fmt: skip
 
 
 class TrainConfig(BaseModel):
@@ -86,13 +106,15 @@ class TrainConfig(BaseModel):
     )
     prompts: int = Field(4, ge=1, description="env seeds per step")
     group_size: int = Field(4, ge=1, description="rollouts per env seed")
-    objective: Literal["rl", "rft", "distill", "sft"] = Field(
+    objective: Literal["rl", "rft", "distill", "sft", "sidequest"] = Field(
         "rl",
         description="after the sft_steps warm-up — rl: policy gradient with `advantage`; rft: SFT on "
         "rollouts scoring >= rft_min_reward; distill: KL from the frozen full-context reference (the "
         "policy as the phase begins) to the policy under the evictions, on its own rollouts; sft: "
-        "demonstrations under the evict_steps strategy's evictions",
+        "demonstrations under the evict_steps strategy's evictions; sidequest: CE on hindsight-labelled "
+        "auxiliary-thread samples + sidequest.kl x KL(reference || policy) on the main traces",
     )
+    sidequest: SideQuestTrain = SideQuestTrain()
     rft_min_reward: float = Field(1.0, description="rft: rollouts scoring below this are not trained on")
     advantage: Literal["group", "loo", "gae"] = Field(
         "group",
@@ -189,6 +211,11 @@ class TrainConfig(BaseModel):
                 f"minibatches = {self.minibatches} > the {self.prompts * self.group_size} rollouts of a "
                 "step (prompts x group_size); lower minibatches or raise prompts"
             )
+        if self.objective == "sidequest" and not isinstance(self.strategy, SideQuestConfig):
+            raise ValueError(
+                "objective = 'sidequest' trains the auxiliary thread the [strategy] calls: set "
+                "strategy.name = 'sidequest' (its every and trigger are used for the labels)"
+            )
         if self.objective != "rl" and self.advantage == "gae":
             raise ValueError(f"advantage = 'gae' trains a critic for objective 'rl', not {self.objective!r}")
         return self
@@ -276,6 +303,36 @@ def _sft_step(cfg: TrainConfig, engine, fmt: ChatFormat, strategy, trainer: Trai
     stats = trainer.step([Sample(t, np.zeros(len(t), np.float32), i) for t, i in traces], loss="sft")
     keep = ("loss", "grad_norm", "trained_tokens", "train_s")
     return {"step": step, "phase": "sft_evicted" if evicted else "sft", **{k: stats[k] for k in keep}}
+
+
+def _sidequest_step(cfg: TrainConfig, engine, fmt: ChatFormat, trainer: Trainer, step: int,
+                    env_seeds: list[int]) -> dict:  # fmt: skip
+    """SideQuest's objective: CE on the hindsight-labelled auxiliary samples of this step's correct
+    full-context traces, plus ``sidequest.kl`` x KL(reference || policy) on those traces (the
+    reference: the frozen policy as the phase began), each part normalised over its own tokens."""
+    sq, strategy = cfg.sidequest, cfg.strategy
+    demo = sq.traces == "solver"
+    if demo and not hasattr(make_env(cfg.env), "demo_action"):
+        raise ValueError(f"sidequest.traces = 'solver' needs the {cfg.env.name} env's demo_action()")
+    make = lambda: make_env(cfg.env)  # noqa: E731
+    played = run_episodes(engine, fmt, make, None, "full", cfg.rollout, env_seeds, len(env_seeds), demo=demo)
+    results = asyncio.run(played)
+    engine.sessions = [s for s in engine.sessions if not s.closed]
+    main = [r.traces[0] for r in results if r.reward >= 1.0 and r.error is None]
+    labels = random.Random(f"sidequest/{cfg.seed}/{step}")  # the same split when resumed
+    every, trigger = strategy.every, strategy.trigger
+    aux = [x for t in main for x in hindsight_samples(t, fmt, every, labels, sq.split, trigger)]
+    out = {"step": step, "phase": "sidequest", "correct": len(main) / len(results), "aux_samples": len(aux)}
+    if not aux:
+        return out | _no_update()
+    zero = lambda t: np.zeros(len(t), np.float32)  # noqa: E731
+    parts = [([Sample(t, zero(t), i) for i, t in enumerate(aux)], "sft", 1.0)]
+    if sq.kl:
+        parts.append(([Sample(t, zero(t), i) for i, t in enumerate(main)], "distill", sq.kl))
+    stats, extra = trainer.step_parts(parts)
+    kl = stats[1]["loss"] if sq.kl else 0.0
+    return out | {"loss": stats[0]["loss"] + sq.kl * kl, "aux_ce": stats[0]["loss"], "main_kl": kl,
+                  "trained_tokens": stats[0]["trained_tokens"], **extra}  # fmt: skip
 
 
 class Interrupted(Exception):
@@ -404,12 +461,17 @@ def train(
                     last = _sft_step(cfg, engine, fmt, strategy, trainer, step, env_seeds)
                     data_position = step
                 else:
-                    if (cfg.train.kl_ref or cfg.objective == "distill") and trainer.reference is None:
+                    anchored = cfg.train.kl_ref or cfg.objective in ("distill", "sidequest")
+                    if anchored and trainer.reference is None:
                         trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
                     if cfg.max_lag and sampler is None:  # sample ahead from here on, on the engine's own copy
                         first = data_position + 1
                         sampler = BackgroundSampler(cfg, model, engine.tokenizer, fmt, strategy, first)
-                    last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, sampler, t0)
+                    if cfg.objective == "sidequest":
+                        env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+                        last = _sidequest_step(cfg, engine, fmt, trainer, step, env_seeds)
+                    else:
+                        last = _rl_step(cfg, engine, fmt, strategy, trainer, head, step, sampler, t0)
                     data_position = sampler.next_index - 1 if sampler is not None else step
                 last["wall_s"] = times()["wall_s"]
                 rl_step, stats = step - cfg.sft_steps, None

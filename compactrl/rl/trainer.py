@@ -147,18 +147,27 @@ class Trainer:
     def step(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None) -> dict:
         """One optimizer step (``loss`` overrides the settings' for this step, e.g. an SFT warm-up
         sharing the optimizer); returns loss, gradient norm and diagnostics."""
+        (stats,), extra = self.step_parts([(samples, loss, 1.0)])
+        return stats | extra
+
+    def step_parts(self, parts: list[tuple[list[Sample], str | None, float]]) -> tuple[list[dict], dict]:
+        """One optimizer step on a sum of losses, ``scale * loss(samples)`` per part, each normalised
+        over its own samples (SideQuest: CE on auxiliary samples + lambda * KL on the main traces);
+        returns each part's stats, and the gradient norm and time."""
         t0 = time.perf_counter()
-        stats = self.backward(samples, loss)
+        stats = [self.backward(x, loss, scale, zero=k == 0) for k, (x, loss, scale) in enumerate(parts)]
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.settings.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
         self.optimizer.step()
-        return stats | {"grad_norm": float(norm), "train_s": time.perf_counter() - t0}
+        return stats, {"grad_norm": float(norm), "train_s": time.perf_counter() - t0}
 
-    def backward(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None) -> dict:
-        """Accumulate the batch's gradient (micro-batch by micro-batch) into ``.grad``."""
+    def backward(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None,
+                 scale: float = 1.0, zero: bool = True) -> dict:  # fmt: skip
+        """Accumulate ``scale`` times the batch's gradient (micro-batch by micro-batch) into ``.grad``,
+        after zeroing it unless ``zero`` is False."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
         s = self.settings if loss is None else self.settings.model_copy(update={"loss": loss})
@@ -168,7 +177,8 @@ class Trainer:
             raise ValueError("kl_ref > 0 needs a reference model: Trainer(..., reference=frozen copy)")
         self.model.train()
         weights = token_weights(samples, s.norm, s.norm_constant)
-        self.optimizer.zero_grad(set_to_none=True)
+        if zero:
+            self.optimizer.zero_grad(set_to_none=True)
         total_loss, n_tok, clipped, masked, kl_sum, max_abs, value_sum, ref_kl = 0, 0, 0, 0, 0, 0, 0, 0.0
         entropy_sum = 0.0
         for mb in self.micro_batches(samples):
@@ -255,7 +265,7 @@ class Trainer:
                     clipped += float(out.sum())
                     masked += float((m & ~keep).sum())
             if loss.requires_grad:
-                loss.backward()
+                (loss * scale).backward()
             total_loss += float(loss.detach())
         self.model.eval()
         n = max(n_tok, 1)
