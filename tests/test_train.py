@@ -183,7 +183,7 @@ def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
 
 TRAIN_CONFIGS = sorted(
     p
-    for d in ("train", "recall", "textworld")
+    for d in ("train", "recall", "textworld", "summary", "evictors", "browse", "sidequest")
     for p in (Path(__file__).parent.parent / "configs" / d).glob("*.toml")
 )
 
@@ -196,6 +196,16 @@ def test_shipped_train_configs_are_valid(path):
     unset = ["model.path="] if declared.startswith("runs/") else []
     cfg = load_config(TrainConfig, path, unset)
     assert cfg.steps >= 1 and (cfg.model.path is None) == bool(unset or not declared)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs" / "rollout").glob("*.toml")),
+                         ids=lambda p: p.stem)  # fmt: skip
+def test_shipped_rollout_configs_are_valid(path):
+    from compactrl.agent.batch import RolloutConfig
+
+    declared = read_toml(path).get("model", {}).get("path", "")
+    cfg = load_config(RolloutConfig, path, ["model.path="] if declared.startswith("runs/") else [])
+    assert cfg.episodes >= 1
 
 
 @pytest.mark.parametrize("mode", ["stream", "reprefill"])
