@@ -120,7 +120,8 @@ def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
 # ---- hindsight labels -------------------------------------------------------------------------------
 def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup):
     """The labeller on a full-context solver trace, with D = what expired at earlier calls, builds
-    the runner's sequential SideQuest forks token for token, mask for mask, trained tokens included."""
+    the runner's sequential SideQuest forks token for token, mask for mask, trained tokens included;
+    so does it on the SideQuest stream itself (what earlier calls deleted is already out of it)."""
     import random
 
     from compactrl.rl.sidequest import hindsight_samples
@@ -131,8 +132,9 @@ def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup):
         seq = play(setup, "stream", every=every)
         for f, s in zip(full, seq, strict=True):
             samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), split="history")
-            assert len(samples) == len(s.aux_traces) == s.aux_calls > 0
-            for x, a in zip(samples, s.aux_traces, strict=True):
+            again = hindsight_samples(s.traces[0], fmt, every, random.Random(0), split="history")
+            assert len(samples) == len(again) == len(s.aux_traces) == s.aux_calls > 0
+            for x, a in [*zip(samples, s.aux_traces, strict=True), *zip(again, s.aux_traces, strict=True)]:
                 assert np.array_equal(x.tokens, a.tokens) and np.array_equal(x.evict_at, a.evict_at)
                 assert np.array_equal(x.trainable, a.trainable) and x.role == a.role
                 assert np.array_equal(x.turn, a.turn)
@@ -156,7 +158,7 @@ def hand_made_trace():
 
 
 def test_last_use_expiry_and_calls_on_a_hand_made_trace():
-    from compactrl.rl.sidequest import actions_of, aux_calls, boundary, last_use
+    from compactrl.compaction.sidequest import actions_of, aux_calls, boundary, last_use
 
     t = hand_made_trace()
     acts = actions_of(t)
@@ -205,7 +207,8 @@ def test_step_parts_accumulate_the_scaled_sum_of_the_parts(setup):
     _, _, model = setup
     full = play(setup, "full")
     a = [Sample(r.traces[0], np.zeros(len(r.traces[0]), np.float32), i) for i, r in enumerate(full)]
-    b = [Sample(x, np.zeros(len(x), np.float32), i) for i, x in enumerate(play(setup, "stream")[0].aux_traces)]
+    aux = play(setup, "stream")[0].aux_traces
+    b = [Sample(x, np.zeros(len(x), np.float32), i) for i, x in enumerate(aux)]
     trainer = Trainer(model, TrainSettings(lr=1e-3))
 
     def grads():
@@ -241,3 +244,21 @@ def test_the_sidequest_objective_learns_the_thread_and_stays_near_the_reference(
     assert (tmp_path / "reference" / "config.json").is_file()
     with pytest.raises(ValueError, match="strategy.name = 'sidequest'"):
         load_config(TrainConfig, "configs/sidequest/train.toml", [*sets[:7], "strategy="])
+
+
+def test_deletion_scores_against_the_hindsight_labels(setup):
+    """The memory oracle deletes exactly the expired cursors: precision and recall 1. A thread that
+    names every live cursor keeps its recall and loses precision."""
+    import copy
+
+    from compactrl.compaction.sidequest import deletion_scores
+
+    for r in play(setup, "stream"):
+        s = deletion_scores(r.traces[0], r.aux_traces)
+        assert s["calls"] == r.aux_calls
+        assert s["named"] == s["expired"] == s["correct"] == r.deleted_cursors > 0
+        greedy = copy.deepcopy(r.aux_traces)
+        for x in greedy:
+            x.meta["named"] = list(range(20))
+        g = deletion_scores(r.traces[0], greedy)
+        assert g["correct"] == s["correct"] and g["named"] > g["correct"]

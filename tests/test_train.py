@@ -198,8 +198,10 @@ def test_shipped_train_configs_are_valid(path):
     assert cfg.steps >= 1 and (cfg.model.path is None) == bool(unset or not declared)
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs" / "rollout").glob("*.toml")),
-                         ids=lambda p: p.stem)  # fmt: skip
+ROLLOUT_CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "rollout").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", ROLLOUT_CONFIGS, ids=lambda p: p.stem)
 def test_shipped_rollout_configs_are_valid(path):
     from compactrl.agent.batch import RolloutConfig
 

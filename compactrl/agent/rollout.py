@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, Strategy
-from compactrl.compaction.sidequest import AuxThread, aux_answer
+from compactrl.compaction.sidequest import AuxThread, aux_answer, parse_deletions
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.envs.base import Env, EnvError, guarded
 from compactrl.trace import NO_CURSOR, Trace
@@ -377,7 +377,7 @@ class Episode:
         t = child.trace()
         child.close()
         t.trainable[:fork_at], t.logprobs[:fork_at] = False, np.nan
-        t.meta = {"aux": True, "action": action, "fork_at": fork_at}
+        t.meta = {"aux": True, "action": action, "fork_at": fork_at, "named": parse_deletions(answer)}
         r.aux_traces.append(t)
         return answer
 

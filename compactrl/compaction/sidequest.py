@@ -17,7 +17,10 @@ import json
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from compactrl.compaction.base import Context
+from compactrl.trace import Trace
 
 TRIGGER = "Memory management mode"
 _ANSWER = re.compile(r'\{\s*"del_cursors"\s*:\s*\[[^\[\]{}]*\]\s*\}')
@@ -73,3 +76,63 @@ class AuxThread:
         if named is None:
             return None, []
         return [c for c in named if c in live], [c for c in named if c not in live]
+
+
+# ---- hindsight: what each cursor was used for, once the episode is over -------------------------------
+@dataclass(frozen=True)
+class Action:
+    number: int  # 1, 2, ... in stream order
+    end: int  # stream index of its last generated token
+    cursor: int | None  # the cursor its output became
+    refs: tuple[int, ...]  # the cursors it named (open) or cited (answer)
+    tool: str | None
+
+
+def actions_of(trace: Trace) -> list[Action]:
+    """The trace's actions, from the facts the rollout runner keeps in its meta."""
+    facts = trace.meta.get("action_facts")
+    if facts is None:
+        raise ValueError(
+            f"trace {trace.rollout_id!r} has no meta['action_facts']: label traces the rollout runner "
+            "wrote (compactrl rollout, or demonstrations played by the runner)"
+        )
+    return [Action(n, int(e), c, tuple(refs), tool) for n, (e, c, refs, tool) in enumerate(facts, 1)]
+
+
+def last_use(actions: list[Action]) -> dict[int, int]:
+    """cursor -> the action number of its last use (at least the action after the one that made it)."""
+    last = {a.cursor: a.number + 1 for a in actions if a.cursor is not None}
+    for a in actions:
+        for c in a.refs:
+            if c in last:
+                last[c] = max(last[c], a.number)
+    return last
+
+
+def aux_calls(n_actions: int, every: int) -> list[int]:
+    """The actions the auxiliary thread runs before: after every ``every``-th action, up to the last."""
+    return list(range(every + 1, n_actions + 1, every))
+
+
+def boundary(trace: Trace, action: Action) -> int:
+    """Where the action's message starts in the stream (the thread forks there, before it)."""
+    return int(np.flatnonzero(trace.turn == trace.turn[action.end])[0])
+
+
+def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:
+    """The auxiliary threads' answers against the hindsight labels of the episode they ran in: per
+    call (fork before action ``t``), the cursors named vs the expired ones live at the fork.
+    ``correct / named`` is the deletion precision, ``correct / expired`` the recall."""
+    acts = actions_of(main)
+    last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
+    out = {"calls": 0, "named": 0, "expired": 0, "correct": 0}
+    for x in aux:
+        t, b, named = x.meta["action"] + 1, x.meta["fork_at"], set(x.meta.get("named") or ())
+        live = {c for c, a in made.items() if a.end < b and main.evict_at[a.end] >= b}  # as the thread saw
+        expired = {c for c in live if last[c] < t}
+        named &= live  # a cursor that was not open deletes nothing (the runner counts it apart)
+        out["calls"] += 1
+        out["named"] += len(named)
+        out["expired"] += len(expired)
+        out["correct"] += len(named & expired)
+    return out

@@ -19,54 +19,21 @@ demonstrations hold at each call (a test checks it token for token and mask for 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from compactrl.agent.chat import ChatFormat
-from compactrl.compaction.sidequest import TRIGGER, aux_answer
+from compactrl.compaction.sidequest import (
+    TRIGGER,
+    Action,
+    actions_of,
+    aux_answer,
+    aux_calls,
+    boundary,
+    last_use,
+)
 from compactrl.trace import NO_CURSOR, Trace
-
-
-@dataclass(frozen=True)
-class Action:
-    number: int  # 1, 2, ... in stream order
-    end: int  # stream index of its last generated token
-    cursor: int | None  # the cursor its output became
-    refs: tuple[int, ...]  # the cursors it named (open) or cited (answer)
-    tool: str | None
-
-
-def actions_of(trace: Trace) -> list[Action]:
-    """The trace's actions, from the facts the rollout runner keeps in its meta."""
-    facts = trace.meta.get("action_facts")
-    if facts is None:
-        raise ValueError(
-            f"trace {trace.rollout_id!r} has no meta['action_facts']: label traces the rollout runner "
-            "wrote (compactrl rollout, or demonstrations played by the runner)"
-        )
-    return [Action(n, int(e), c, tuple(refs), tool) for n, (e, c, refs, tool) in enumerate(facts, 1)]
-
-
-def last_use(actions: list[Action]) -> dict[int, int]:
-    """cursor -> the action number of its last use (at least the action after the one that made it)."""
-    last = {a.cursor: a.number + 1 for a in actions if a.cursor is not None}
-    for a in actions:
-        for c in a.refs:
-            if c in last:
-                last[c] = max(last[c], a.number)
-    return last
-
-
-def aux_calls(n_actions: int, every: int) -> list[int]:
-    """The actions the auxiliary thread runs before: after every ``every``-th action, up to the last."""
-    return list(range(every + 1, n_actions + 1, every))
-
-
-def boundary(trace: Trace, action: Action) -> int:
-    """Where the action's message starts in the stream (the thread forks there, before it)."""
-    return int(np.flatnonzero(trace.turn == trace.turn[action.end])[0])
 
 
 def aux_prefix(fmt: ChatFormat, trigger: str = TRIGGER) -> tuple[list[int], list[int]]:
@@ -97,7 +64,7 @@ def hindsight_samples(
     samples = []
     for t in calls:
         b = at[t]
-        live = [c for c in sorted(made) if made[c].end < b and trace.evict_at[made[c].end] > b]
+        live = [c for c in sorted(made) if made[c].end < b and trace.evict_at[made[c].end] >= b]
         expired = [c for c in live if last[c] < t]
         if split == "history":
             gone = [c for c in expired if first_expired[c] < t]
@@ -108,7 +75,8 @@ def hindsight_samples(
         target_ids = fmt.tokenizer.encode(answer) + [stop]
         tail = message + prompt + target_ids
         T, m, g = b + len(tail), len(message), len(prompt) + len(target_ids)
-        ev = np.r_[np.where(trace.evict_at[:b] <= b, trace.evict_at[:b], T), np.full(len(tail), T)]
+        # evicted before the call stays evicted; at it or later (this call's own deletions) is live here
+        ev = np.r_[np.where(trace.evict_at[:b] < b, trace.evict_at[:b], T), np.full(len(tail), T)]
         for c in gone:  # deleted at the call it first expired at, as the thread would have
             ev[:b][(trace.cursor[:b] == c) & (ev[:b] == T)] = at[first_expired[c]]
         turn = int(trace.turn[b])  # the trigger takes the turn the action would have, as in the runner
