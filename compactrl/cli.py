@@ -890,6 +890,34 @@ def bench_evictors(
     out.print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
+@bench_app.command("memory")
+def bench_memory(
+    config: Annotated[Path, typer.Argument(help="Bench config (TOML): a base rollout config and [[row]]s.")],
+    overrides: SetOption = None,
+    only: Annotated[list[str] | None, typer.Option(help="Run only this row (repeatable).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Accuracy against memory: one rollout run per row (cursor rules, SideQuest, evictors)."""
+    import pydantic
+
+    from compactrl.bench.memory import load_bench, markdown, run_memory_bench
+    from compactrl.config import ConfigError
+
+    try:
+        bench = load_bench(config)
+        with progress_bar("episodes") as progress:
+            table = run_memory_bench(bench, overrides or [], only, progress)
+    except (ConfigError, pydantic.ValidationError, ValueError) as e:
+        fail(f"{config}: {e}")
+    except OSError as e:
+        fail(os_error(e))
+    if as_json:
+        emit_json(table)
+        return
+    out.print(markdown(table))
+    out.print(f"wrote {bench.results}" + (f" and {bench.plot}" if bench.plot else ""))
+
+
 @bench_app.command("modes")
 def bench_modes(
     model_dir: Annotated[

@@ -24,6 +24,7 @@ from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import NON_COMPLETION, Episode, EpisodeResult, RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
+from compactrl.compaction.sidequest import deletion_scores
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import EnvConfig, RoomsConfig, make_env
 from compactrl.models.loading import DTYPES
@@ -193,6 +194,22 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "non_completion": {c: sum(r.non_completion == c for r in results) / n for c in NON_COMPLETION},
         # answered correctly, as the env says (info["correct"]; 0 for an env that never says)
         "accuracy": sum(bool(r.info.get("correct")) for r in results) / n,
+        **_deletion_quality(results),
+    }
+
+
+def _deletion_quality(results: list[EpisodeResult]) -> dict:
+    """SideQuest: the auxiliary threads' deletions against the hindsight labels of the episodes they
+    ran in (one stream per episode: stream or full mode; a re-prefill episode has none)."""
+    scored = [
+        deletion_scores(r.traces[0], r.aux_traces) for r in results if r.aux_traces and len(r.traces) == 1
+    ]
+    if not scored:
+        return {}
+    tot = {k: sum(s[k] for s in scored) for k in scored[0]}
+    return {
+        "deletion_precision": tot["correct"] / tot["named"] if tot["named"] else None,
+        "deletion_recall": tot["correct"] / tot["expired"] if tot["expired"] else None,
     }
 
 

@@ -1,0 +1,158 @@
+"""`compactrl bench memory CONFIG`: accuracy against memory, one row per way of forgetting.
+
+A bench config names a base rollout config and its rows; each row is that config with the row's
+``--set`` overrides (a cursor rule, a mode, SideQuest, a token evictor), played on the same
+held-out episodes as one `compactrl rollout` run in ``out/<row>``. A row with ``budget_from``
+runs its evictor at another row's realised mean peak live KV (an evictor at SideQuest's memory).
+A row whose folder already holds a summary of the same config is read back, so a killed bench
+resumes. Rows go to ``results`` (JSON) and accuracy against peak live KV to ``plot`` (PNG).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compactrl.agent.batch import RolloutConfig, rollout
+from compactrl.config import load_config, read_toml
+
+
+class Row(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="the row's folder under `out`")
+    set: list[str] = Field([], description="--set overrides of the base config")
+    budget_from: str | None = Field(
+        None, description="evictor.budget = this earlier row's mean peak live KV (rounded)"
+    )
+
+
+class MemoryBench(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: str = Field(description="the rollout config every row starts from")
+    out: str = Field(description="the rows' run folders go under this folder")
+    results: str = Field(description="JSON file of the rows")
+    plot: str | None = Field(None, description="PNG of accuracy against mean peak live KV")
+    row: list[Row] = Field(min_length=1, description="the rows, in order ([[row]] tables)")
+
+    @model_validator(mode="after")
+    def _rows(self):
+        seen: set[str] = set()
+        for r in self.row:
+            if r.name in seen:
+                raise ValueError(f"row {r.name!r} appears twice; give each row its own name")
+            if r.budget_from is not None and r.budget_from not in seen:
+                raise ValueError(f"row {r.name!r}: budget_from {r.budget_from!r} is not an earlier row")
+            seen.add(r.name)
+        return self
+
+
+def load_bench(path: str | Path) -> MemoryBench:
+    return MemoryBench.model_validate(read_toml(Path(path)))
+
+
+def _run(cfg: RolloutConfig, progress=None) -> tuple[dict, list[dict]]:
+    out = Path(cfg.out)
+    done, same = out / "summary.json", out / "config.json"
+    if not (done.exists() and same.exists() and json.loads(same.read_text()) == cfg.model_dump(mode="json")):
+        rollout(cfg, progress)
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    return json.loads(done.read_text()), episodes
+
+
+def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
+    n = s["episodes"]
+    by_hops = defaultdict(list)
+    for e in episodes:
+        by_hops[str(e["info"].get("hops"))].append(bool(e["info"].get("correct")))
+    row = {
+        "row": name, "strategy": cfg.strategy.name, "mode": cfg.mode,
+        "evictor": cfg.evictor.name if cfg.evictor else None,
+        "budget": cfg.evictor.budget if cfg.evictor else None, "episodes": n, "accuracy": s["accuracy"],
+        "accuracy_by_hops": {h: sum(v) / len(v) for h, v in sorted(by_hops.items())},
+        "mean_peak_live_kv": s["mean_peak_live_kv"], "peak_live_kv": s["peak_live_kv"],
+        "kv_reads_per_episode": s["kv_reads"] / n,
+        "reprefilled_tokens_per_episode": s["reprefilled_tokens"] / n,
+        "mean_turns": s["mean_turns"], "non_completion": s["non_completion"],
+        "malformed_calls_per_episode": sum(e["info"].get("malformed_calls", 0) for e in episodes) / n,
+        "wall_s": s["wall_s"], "threads": cfg.threads, "model": cfg.model.path,
+    }  # fmt: skip
+    if s.get("aux_calls"):
+        keys = ("aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors", "aux_tokens")
+        row |= {k: s[k] for k in keys} | {k: s.get(k) for k in ("deletion_precision", "deletion_recall")}
+    return row
+
+
+def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] | None = None,
+                     progress=None) -> list[dict]:  # fmt: skip
+    """Run (or read back) every row; ``only`` runs just those rows (and the rows they take a
+    budget from), keeping the other rows already in ``results``."""
+    wanted = set(only or [r.name for r in bench.row])
+    for r in reversed(bench.row):
+        if r.name in wanted and r.budget_from:
+            wanted.add(r.budget_from)
+    unknown = set(only or []) - {r.name for r in bench.row}
+    if unknown:
+        raise ValueError(f"--only {sorted(unknown)}: no such row; rows: {[r.name for r in bench.row]}")
+    results = Path(bench.results)
+    kept = {r["row"]: r for r in json.loads(results.read_text())} if results.exists() and only else {}
+    rows: dict[str, dict] = {}
+    for r in bench.row:
+        if r.name not in wanted:
+            if r.name in kept:
+                rows[r.name] = kept[r.name]
+            continue
+        extra = [*sets, *r.set, f"out={Path(bench.out) / r.name}"]
+        if r.budget_from:
+            extra.append(f"evictor.budget={round(rows[r.budget_from]['mean_peak_live_kv'])}")
+        cfg = load_config(RolloutConfig, Path(bench.base), extra)
+        rows[r.name] = _row(r.name, cfg, *_run(cfg, progress))
+    table = list(rows.values())
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(table, indent=1) + "\n")
+    if bench.plot:
+        plot_memory(table, Path(bench.plot))
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    """The README's table: each row against the first (full context)."""
+    full = table[0]
+    head = "| row | accuracy | peak live KV | KV reads / episode | turn limit | unparsable | position limit |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in table:
+        nc, peak, reads = r["non_completion"], r["mean_peak_live_kv"], r["kv_reads_per_episode"]
+        cells = [
+            r["row"], f"{r['accuracy']:.2f}", f"{peak:.0f} ({peak / full['mean_peak_live_kv']:.2f}x)",
+            f"{reads:.0f} ({reads / full['kv_reads_per_episode']:.2f}x)",
+            *(f"{nc[c]:.2f}" for c in ("turn_limit", "unparsable", "position_limit")),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_memory(table: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from compactrl.plot import MODE_MARKERS
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in table:
+        ax.scatter(r["mean_peak_live_kv"], r["accuracy"], marker=MODE_MARKERS.get(r["mode"], "o"), s=40)
+        ax.annotate(r["row"], (r["mean_peak_live_kv"], r["accuracy"]), fontsize=7, xytext=(4, 2),
+                    textcoords="offset points")  # fmt: skip
+    ax.set_xlabel("mean peak live KV per episode (tokens)")
+    ax.set_ylabel(f"accuracy ({table[0]['episodes']} held-out questions)")
+    ax.set_title("accuracy against memory (circles stream, squares reprefill, diamond full)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,69 @@
+"""`compactrl bench memory`: rows of rollout runs on one base config, resumed from their folders,
+an evictor row at another row's realised peak."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from compactrl.bench.memory import MemoryBench, load_bench, markdown, run_memory_bench
+
+BASE = """mode = "full"
+episodes = 2
+concurrency = 2
+seed = 1000000000
+[env]
+name = "browse"
+world_size = 40
+[rollout]
+max_tokens = 8
+max_turns = 3
+"""
+
+
+def bench_file(tmp_path, rows: str):
+    (tmp_path / "base.toml").write_text(BASE + f'[model]\nsize = "tiny"\n')
+    path = tmp_path / "bench.toml"
+    path.write_text(f'base = "{tmp_path / "base.toml"}"\nout = "{tmp_path / "runs"}"\n'
+                    f'results = "{tmp_path / "rows.json"}"\nplot = "{tmp_path / "rows.png"}"\n' + rows)  # fmt: skip
+    return path
+
+
+ROWS = """
+[[row]]
+name = "full"
+[[row]]
+name = "window"
+set = ["mode=stream", "strategy.name=keep_last_cursors", "strategy.n=1"]
+[[row]]
+name = "h2o_at_full"
+set = ["mode=stream", "evictor.name=h2o", "evictor.budget=1"]
+budget_from = "full"
+"""
+
+
+def test_rows_run_resume_and_take_a_budget_from_another_row(tmp_path):
+    bench = load_bench(bench_file(tmp_path, ROWS))
+    table = run_memory_bench(bench)
+    assert [r["row"] for r in table] == ["full", "window", "h2o_at_full"]
+    assert table[2]["budget"] == round(table[0]["mean_peak_live_kv"]) and table[2]["evictor"] == "h2o"
+    assert (
+        json.loads((tmp_path / "rows.json").read_text()) == table and (tmp_path / "rows.png").stat().st_size
+    )
+    assert markdown(table).count("\n") == 4 and "(1.00x)" in markdown(table).splitlines()[2]
+    stamp = (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns
+    again = run_memory_bench(bench, only=["window"])  # read back, not run again; the others kept
+    assert again == table and (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns == stamp
+    run_memory_bench(bench, sets=["rollout.max_turns=2"], only=["window"])  # another config: run again
+    assert (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns != stamp
+
+
+def test_bad_bench_configs_are_refused_by_name(tmp_path):
+    with pytest.raises(ValidationError, match="row 'a' appears twice"):
+        load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\n[[row]]\nname = "a"\n'))
+    with pytest.raises(ValidationError, match="budget_from 'b' is not an earlier row"):
+        load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\nbudget_from = "b"\n[[row]]\nname = "b"\n'))
+    with pytest.raises(ValueError, match=r"--only \['c'\]: no such row"):
+        run_memory_bench(load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\n')), only=["c"])
+    with pytest.raises(ValidationError):
+        MemoryBench(base="x", out="y", results="z", row=[])
