@@ -22,7 +22,7 @@ max_turns = 3
 
 
 def bench_file(tmp_path, rows: str):
-    (tmp_path / "base.toml").write_text(BASE + f'[model]\nsize = "tiny"\n')
+    (tmp_path / "base.toml").write_text(BASE + '[model]\nsize = "tiny"\n')
     path = tmp_path / "bench.toml"
     path.write_text(f'base = "{tmp_path / "base.toml"}"\nout = "{tmp_path / "runs"}"\n'
                     f'results = "{tmp_path / "rows.json"}"\nplot = "{tmp_path / "rows.png"}"\n' + rows)  # fmt: skip
