@@ -24,8 +24,9 @@ max_turns = 3
 def bench_file(tmp_path, rows: str):
     (tmp_path / "base.toml").write_text(BASE + '[model]\nsize = "tiny"\n')
     path = tmp_path / "bench.toml"
-    path.write_text(f'base = "{tmp_path / "base.toml"}"\nout = "{tmp_path / "runs"}"\n'
-                    f'results = "{tmp_path / "rows.json"}"\nplot = "{tmp_path / "rows.png"}"\n' + rows)  # fmt: skip
+    head = {"base": tmp_path / "base.toml", "out": tmp_path / "runs", "results": tmp_path / "rows.json",
+            "plot": tmp_path / "rows.png"}  # fmt: skip
+    path.write_text("".join(f'{k} = "{v}"\n' for k, v in head.items()) + rows)
     return path
 
 
