@@ -2,6 +2,7 @@
 an evictor row at another row's realised peak."""
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -38,7 +39,7 @@ name = "window"
 set = ["mode=stream", "strategy.name=keep_last_cursors", "strategy.n=1"]
 [[row]]
 name = "h2o_at_full"
-set = ["mode=stream", "evictor.name=h2o", "evictor.budget=1"]
+set = ["mode=stream", "evictor.name=h2o"]
 budget_from = "full"
 """
 
@@ -68,3 +69,18 @@ def test_bad_bench_configs_are_refused_by_name(tmp_path):
         run_memory_bench(load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\n')), only=["c"])
     with pytest.raises(ValidationError):
         MemoryBench(base="x", out="y", results="z", row=[])
+
+
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).parent.parent.glob("configs/bench/*.toml")), ids=lambda p: p.stem
+)
+def test_shipped_bench_configs_are_valid(path):
+    """Every row's config validates (an earlier run's checkpoint path unset)."""
+    from compactrl.agent.batch import RolloutConfig
+    from compactrl.config import load_config
+
+    bench = load_bench(path)
+    for r in bench.row:
+        budget = ["evictor.budget=300"] if r.budget_from else []  # the bench sets it from the other row
+        cfg = load_config(RolloutConfig, bench.base, [*r.set, *budget, "model.path="])
+        assert cfg.episodes >= 100 and (cfg.evictor is not None) == any("evictor" in s for s in r.set)

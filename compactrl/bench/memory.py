@@ -26,7 +26,8 @@ class Row(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="the row's folder under `out`")
     set: list[str] = Field([], description="--set overrides of the base config")
     budget_from: str | None = Field(
-        None, description="evictor.budget = this earlier row's mean peak live KV (rounded)"
+        None,
+        description="evictor.budget = this earlier row's mean peak live KV (rounded; the row sets no budget)",
     )
 
 
