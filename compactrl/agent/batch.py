@@ -253,6 +253,7 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
         "wall_s": wall,
         "position_limit": engine.position_limit,
         "episodes_per_s": len(results) / wall,
+        "peak_pool_kv_tokens": engine.metrics()["peak_kv_tokens"],  # the KV pool's peak occupancy
         "generated_tokens_per_s": sum(r.generated_tokens for r in results) / wall,
         "run_dir": str(run_dir),
     }

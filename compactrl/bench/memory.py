@@ -80,7 +80,9 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "reprefilled_tokens_per_episode": s["reprefilled_tokens"] / n,
         "mean_turns": s["mean_turns"], "non_completion": s["non_completion"],
         "malformed_calls_per_episode": sum(e["info"].get("malformed_calls", 0) for e in episodes) / n,
-        "wall_s": s["wall_s"], "threads": cfg.threads, "model": cfg.model.path,
+        "wall_s": s["wall_s"], "episodes_per_s": s["episodes_per_s"], "concurrency": cfg.concurrency,
+        "peak_pool_kv_tokens": s["peak_pool_kv_tokens"], "preemptions": s["preemptions"],
+        "threads": cfg.threads, "model": cfg.model.path,
     }  # fmt: skip
     if s.get("aux_calls"):
         keys = ("aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors", "aux_tokens")
