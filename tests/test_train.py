@@ -198,18 +198,6 @@ def test_shipped_train_configs_are_valid(path):
     assert cfg.steps >= 1 and (cfg.model.path is None) == bool(unset or not declared)
 
 
-ROLLOUT_CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "rollout").glob("*.toml"))
-
-
-@pytest.mark.parametrize("path", ROLLOUT_CONFIGS, ids=lambda p: p.stem)
-def test_shipped_rollout_configs_are_valid(path):
-    from compactrl.agent.batch import RolloutConfig
-
-    declared = read_toml(path).get("model", {}).get("path", "")
-    cfg = load_config(RolloutConfig, path, ["model.path="] if declared.startswith("runs/") else [])
-    assert cfg.episodes >= 1
-
-
 @pytest.mark.parametrize("mode", ["stream", "reprefill"])
 def test_textworld_trains_with_compaction(tmp_path, mode):
     small = ["steps=1", "prompts=1", "group_size=2", "eval_episodes=0", "eval_every=0", "rollout.max_turns=4",
