@@ -262,3 +262,29 @@ def test_deletion_scores_against_the_hindsight_labels(setup):
             x.meta["named"] = list(range(20))
         g = deletion_scores(r.traces[0], greedy)
         assert g["correct"] == s["correct"] and g["named"] > g["correct"]
+
+
+def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_advantage(tmp_path):
+    """Beyond the paper: in an RL step both threads learn, the forks' tokens carrying the advantage
+    of the episode whose memory they managed (a random model: the forks exist, their answers fail)."""
+    from compactrl.config import ConfigError, load_config
+    from compactrl.rl.loop import TrainConfig, train
+
+    sets = [f"out={tmp_path}", "steps=1", "prompts=2", "group_size=2", "threads=1", "model.path=",
+            "model.size=tiny", "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16",
+            "objective=rl", "mode=stream", "train.lora=", "rollout.max_turns=3", "rollout.temperature=1.0",
+            "sidequest.kl=0"]  # fmt: skip
+    cfg = load_config(TrainConfig, "configs/sidequest/train.toml", sets)
+    last = train(cfg)
+    # the same batch again, from the initial model the run wrote: what the step trained on
+    from compactrl.rl.sampler import sample_batch
+
+    engine = Engine.from_pretrained(tmp_path / "model")
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    results = sample_batch(cfg, engine, fmt, build_strategy(cfg.strategy), 1)
+    main = sum(int(t.trainable.sum()) for r in results for t in r.traces)
+    aux = sum(int(t.trainable.sum()) for r in results for t in r.aux_traces)
+    assert last["phase"] == "rl" and last["errors"] == 0 and aux > 0 and sum(r.aux_calls for r in results) > 0
+    assert last["trained_tokens"] == main + aux
+    with pytest.raises(ConfigError, match="advantage = 'gae' values the main thread only"):
+        load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, "advantage=gae"])

@@ -216,6 +216,11 @@ class TrainConfig(BaseModel):
                 "objective = 'sidequest' trains the auxiliary thread the [strategy] calls: set "
                 "strategy.name = 'sidequest' (its every and trigger are used for the labels)"
             )
+        if self.advantage == "gae" and isinstance(self.strategy, SideQuestConfig):
+            raise ValueError(
+                "advantage = 'gae' values the main thread only; SideQuest's auxiliary threads train "
+                "with the episode's advantage: use advantage = 'group' or 'loo'"
+            )
         if self.objective != "rl" and self.advantage == "gae":
             raise ValueError(f"advantage = 'gae' trains a critic for objective 'rl', not {self.objective!r}")
         return self
@@ -538,6 +543,9 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
                 continue
             credit = discounts([t.trainable for t in r.traces], cfg.gamma)
             samples += [Sample(t, a * w, i) for t, w in zip(r.traces, credit, strict=True)]
+            # SideQuest's auxiliary threads share their episode's outcome: their deletions are trained
+            # with the reward of the episode they shaped (the forks' own tokens only are trainable)
+            samples += [Sample(t, np.full(len(t), a, np.float32), i) for t in r.aux_traces]
     stats = _updates(cfg, trainer, samples, loss, step) if samples else _no_update()
     t2 = time.perf_counter()
     if sampler is not None:
