@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compactrl.agent.batch import ModelSource, load_engine, run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import RolloutSettings
+from compactrl.cluster import ClusterConfig, connect
 from compactrl.compaction import SideQuestConfig, SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.engine import EngineConfig
@@ -170,6 +171,9 @@ class TrainConfig(BaseModel):
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     out: str = Field("runs/train", description="run directory (config, metrics, checkpoints)")
     log: LogSettings = LogSettings()
+    cluster: ClusterConfig = Field(
+        ClusterConfig(), description="where rollouts and training run: one process (local) or Ray actors"
+    )
     sft_steps: int = Field(0, ge=0, description="the first steps are SFT on full-context demonstrations")
     sft_lr: float | None = Field(None, gt=0, description="learning rate of the SFT warm-up (None: train.lr)")
     sft_demos: Literal["full", "strategy"] = Field(
@@ -220,6 +224,11 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "advantage = 'gae' values the main thread only; SideQuest's auxiliary threads train "
                 "with the episode's advantage: use advantage = 'group' or 'loo'"
+            )
+        if self.cluster.rollout_workers and self.objective in ("sft", "sidequest"):
+            raise ValueError(
+                f"cluster.rollout_workers sample the RL steps' rollouts; objective {self.objective!r} plays "
+                "demonstrations on the driver's engine: set cluster.rollout_workers = 0"
             )
         if self.objective != "rl" and self.advantage == "gae":
             raise ValueError(f"advantage = 'gae' trains a critic for objective 'rl', not {self.objective!r}")
@@ -401,6 +410,7 @@ def train(
     check_log_settings(cfg.log)
     keep = [Path(cfg.model.path)] if cfg.model.path else []
     open_run_dir(run_dir, cfg, resume, overwrite, keep)
+    ray_owned = connect(cfg.cluster) if cfg.cluster.backend == "ray" else False
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)
@@ -411,11 +421,13 @@ def train(
     )
     strategy = build_strategy(cfg.strategy)
     head = ValueHead(model.config.hidden_size) if cfg.advantage == "gae" else None
-    trainer = Trainer(model, cfg.train, head, temperature=cfg.rollout.temperature)  # adds LoRA when asked
+    trainer = _trainer_class(cfg)(model, cfg.train, head, temperature=cfg.rollout.temperature)  # LoRA too
     modules = {"value_head": head} if head is not None else {}
     if cfg.train.lora:  # the base stays the initial model; checkpoints carry the adapters
         modules["lora"] = Adapters(model)
     loaded = _resume_point(run_dir, model, trainer, modules) if resume else {"step": 0, "state": {}}
+    if cfg.cluster.trainer_workers > 1:  # the other ranks copy the (resumed) weights and optimizer
+        trainer.start(cfg)
     start = loaded["step"]
     data_position = loaded["state"].get("data_position", start)  # the last batch of env seeds trained on
     earlier = loaded["state"]  # the run's time up to that checkpoint (wall_s leaves evaluations out)
@@ -469,9 +481,8 @@ def train(
                     anchored = cfg.train.kl_ref or cfg.objective in ("distill", "sidequest")
                     if anchored and trainer.reference is None:
                         trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
-                    if cfg.max_lag and sampler is None:  # sample ahead from here on, on the engine's own copy
-                        first = data_position + 1
-                        sampler = BackgroundSampler(cfg, model, engine.tokenizer, fmt, strategy, first)
+                    if (cfg.max_lag or cfg.cluster.rollout_workers) and sampler is None:
+                        sampler = _sampler(cfg, model, engine.tokenizer, fmt, strategy, data_position + 1)
                     if cfg.objective == "sidequest":
                         env_seeds = [cfg.seed + (step - 1) * cfg.prompts + j for j in range(cfg.prompts)]
                         last = _sidequest_step(cfg, engine, fmt, trainer, step, env_seeds)
@@ -496,12 +507,36 @@ def train(
     finally:
         if sampler is not None:
             sampler.close()
+        if cfg.cluster.trainer_workers > 1:
+            trainer.close()
+        if ray_owned:
+            import ray
+
+            ray.shutdown()
         monitor.close()
     summary |= times()  # the whole run, all resumed parts (to the last checkpoint), evaluations apart
     summary["wall_s_this_part"] = time.perf_counter() - clock[0]
     summary["last_step"] = last
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return last
+
+
+def _trainer_class(cfg: TrainConfig) -> type[Trainer]:
+    if cfg.cluster.trainer_workers == 1:
+        return Trainer
+    from compactrl.cluster.data_parallel import DataParallelTrainer
+
+    return DataParallelTrainer
+
+
+def _sampler(cfg: TrainConfig, model, tokenizer, fmt, strategy, first: int):
+    """Where RL batches come from when not sampled in the loop: rollout workers (Ray actors, each
+    on its own copy of the weights), or a background thread on one copy (max_lag > 0)."""
+    if cfg.cluster.rollout_workers:
+        from compactrl.cluster.rollout import RolloutPool
+
+        return RolloutPool(cfg, model, tokenizer, first)
+    return BackgroundSampler(cfg, model, tokenizer, fmt, strategy, first)
 
 
 def _record_eval(cfg: TrainConfig, engine, summary: dict, when: str) -> dict:
@@ -525,11 +560,13 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
     """Take a batch (sampled now, or ahead by the background sampler), compute advantages, take
     one optimizer step, and hand the new weights to the background sampler's engine."""
     lag = dropped = 0
+    faults = {}
     if sampler is None:
         results = sample_batch(cfg, engine, fmt, strategy, step)
     else:
         batch, dropped = sampler.get()
         results, lag = batch.results, sampler.pushed - batch.version
+        faults = {"worker_restarts": batch.restarts, "rerun_episodes": batch.rerun}
     t1 = time.perf_counter()
     rewards = np.array([r.reward for r in results])
     loss = {"rl": "pg", "rft": "sft", "distill": "distill"}[cfg.objective]
@@ -566,6 +603,7 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         "sync_s": time.perf_counter() - t2,  # 0 when the engine shares the trainer's model
         "lag": lag,
         "dropped_batches": dropped,
+        **(faults if cfg.cluster.rollout_workers else {}),
     }
     return last
 

@@ -33,19 +33,35 @@ class Batch:
     index: int  # data position: which env seeds and sampling seeds
     version: int  # weight updates the engine had loaded when sampling began
     results: list
+    restarts: int = 0  # rollout workers restarted while sampling it (cluster.rollout_workers)
+    rerun: int = 0  # episodes run again because their worker died
+
+
+def batch_seeds(cfg, index: int) -> tuple[list[int], list[int]]:
+    """Batch ``index``'s episodes: ``prompts`` env seeds x ``group_size``, and their sampling seeds."""
+    env_seeds = [cfg.seed + (index - 1) * cfg.prompts + j for j in range(cfg.prompts)]
+    seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
+    return seeds, [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
 
 
 def sample_batch(cfg, engine: Engine, fmt, strategy, index: int) -> list:
-    """Batch ``index``: ``prompts`` env seeds x ``group_size`` rollouts, each with its own sampling seed."""
-    env_seeds = [cfg.seed + (index - 1) * cfg.prompts + j for j in range(cfg.prompts)]
-    seeds = [s for s in env_seeds for _ in range(cfg.group_size)]
-    sample_seeds = [1_000_003 * s + g for s in env_seeds for g in range(cfg.group_size)]
+    """Batch ``index`` (:func:`batch_seeds`) on ``engine``."""
+    return run_seeds(cfg, engine, fmt, strategy, *batch_seeds(cfg, index))
+
+
+def run_seeds(cfg, engine: Engine, fmt, strategy, seeds: list[int], sample_seeds: list[int]) -> list:
+    """One episode per (env seed, sampling seed), all at once; results in order."""
     make = lambda: make_env(cfg.env)  # noqa: E731
     episodes = run_episodes(engine, fmt, make, strategy, cfg.mode, cfg.rollout, seeds, len(seeds),
                             sample_seeds=sample_seeds, evictor=cfg.evictor)  # fmt: skip
     results = asyncio.run(episodes)
     engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
     return results
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What an update changes, and so what a sampling engine on its own copy must be sent."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 class BackgroundSampler:
@@ -93,9 +109,8 @@ class BackgroundSampler:
 
     def push(self, model: torch.nn.Module) -> None:
         """Hand the trainer's updated weights to the engine (loaded in flight)."""
-        state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         self.pushed += 1
-        self.engine.stage_weights(state, self.pushed)
+        self.engine.stage_weights(trainable_state(model), self.pushed)
 
     def close(self) -> None:
         self._stop.set()

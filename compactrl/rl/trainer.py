@@ -126,6 +126,7 @@ class Trainer:
         if settings.lora is not None and not has_lora(model):
             add_lora(model, settings.lora)
         self.model, self.settings, self.value_head, self.reference = model, settings, value_head, reference
+        self.group = None  # a torch.distributed group when this is one of several data-parallel ranks
         heads = list(value_head.parameters()) if value_head is not None else []
         self.params = [p for p in model.parameters() if p.requires_grad] + heads
         self.optimizer = torch.optim.AdamW(
@@ -154,15 +155,31 @@ class Trainer:
         """One optimizer step on a sum of losses, ``scale * loss(samples)`` per part, each normalised
         over its own samples (SideQuest: CE on auxiliary samples + lambda * KL on the main traces);
         returns each part's stats, and the gradient norm and time."""
+        if not all(samples for samples, _, _ in parts):
+            raise ValueError("a training step needs at least one sample")
         t0 = time.perf_counter()
-        stats = [self.backward(x, loss, scale, zero=k == 0) for k, (x, loss, scale) in enumerate(parts)]
+        sums, norm = self.step_share(parts)
+        return [finish(x) for x in sums], {"grad_norm": norm, "train_s": time.perf_counter() - t0}
+
+    def step_share(self, parts: list[tuple[list[Sample], str | None, float]],
+                   weights: list[list[np.ndarray]] | None = None) -> tuple[list[dict], float]:  # fmt: skip
+        """Accumulate each part's gradient, sum it over the data-parallel ranks (``self.group``, a
+        torch.distributed group; None: this process alone), clip, step. ``weights``: each part's
+        per-token loss weights, computed over the whole batch when this is one rank's share of it
+        (parts may then be empty here). Returns each part's raw sums (:func:`finish` makes stats)."""
+        sums = []
+        for k, (samples, loss, scale) in enumerate(parts):
+            w = None if weights is None else weights[k]
+            sums.append(self._accumulate(samples, loss, scale, k == 0, w))
+        if self.group is not None:
+            _all_reduce_grads(self.params, self.group)
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.settings.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
         self.optimizer.step()
-        return stats, {"grad_norm": float(norm), "train_s": time.perf_counter() - t0}
+        return sums, float(norm)
 
     def backward(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None,
                  scale: float = 1.0, zero: bool = True) -> dict:  # fmt: skip
@@ -170,13 +187,20 @@ class Trainer:
         after zeroing it unless ``zero`` is False."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
+        return finish(self._accumulate(samples, loss, scale, zero))
+
+    def _accumulate(self, samples: list[Sample], loss: str | None, scale: float, zero: bool,
+                    weights: list[np.ndarray] | None = None) -> dict:  # fmt: skip
+        """:meth:`backward`'s work; ``weights`` (default: this batch's normalisation) may come from a
+        larger batch this is a share of. Returns sums, which add up over shares."""
         s = self.settings if loss is None else self.settings.model_copy(update={"loss": loss})
         use_ref = s.kl_ref > 0 and s.loss != "sft"  # it anchors policy updates, not SFT on demos
         anchor = use_ref and s.loss == "pg" and s.kl_ref_estimator == "topk"
         if use_ref and self.reference is None:
             raise ValueError("kl_ref > 0 needs a reference model: Trainer(..., reference=frozen copy)")
         self.model.train()
-        weights = token_weights(samples, s.norm, s.norm_constant)
+        if weights is None:
+            weights = token_weights(samples, s.norm, s.norm_constant)
         if zero:
             self.optimizer.zero_grad(set_to_none=True)
         total_loss, n_tok, clipped, masked, kl_sum, max_abs, value_sum, ref_kl = 0, 0, 0, 0, 0, 0, 0, 0.0
@@ -268,15 +292,43 @@ class Trainer:
                 (loss * scale).backward()
             total_loss += float(loss.detach())
         self.model.eval()
-        n = max(n_tok, 1)
-        return {
-            "loss": total_loss,
-            "trained_tokens": n_tok,
-            "mismatch_kl": kl_sum / n,
-            "mismatch_max_abs": max_abs,
-            "clip_fraction": clipped / n,
-            "masked_fraction": masked / n,
-            "value_loss": value_sum,
-            "ref_kl": ref_kl / n,
-            "entropy": entropy_sum / n,  # at the policy's tokens, when the bonus is on
-        }
+        return {"loss": total_loss, "trained_tokens": n_tok, "kl_sum": kl_sum, "mismatch_max_abs": max_abs,
+                "clipped": clipped, "masked": masked, "value_loss": value_sum, "ref_kl_sum": ref_kl,
+                "entropy_sum": entropy_sum}  # fmt: skip
+
+
+def finish(sums: dict) -> dict:
+    """A step's statistics from its (possibly rank-summed: :func:`add_sums`) raw sums."""
+    n = max(sums["trained_tokens"], 1)
+    return {
+        "loss": sums["loss"],
+        "trained_tokens": sums["trained_tokens"],
+        "mismatch_kl": sums["kl_sum"] / n,
+        "mismatch_max_abs": sums["mismatch_max_abs"],
+        "clip_fraction": sums["clipped"] / n,
+        "masked_fraction": sums["masked"] / n,
+        "value_loss": sums["value_loss"],
+        "ref_kl": sums["ref_kl_sum"] / n,
+        "entropy": sums["entropy_sum"] / n,  # at the policy's tokens, when the bonus is on
+    }
+
+
+def add_sums(a: dict, b: dict) -> dict:
+    """Two shares' raw sums as one batch's (the max stays a max)."""
+    return {k: max(a[k], b[k]) if k == "mismatch_max_abs" else a[k] + b[k] for k in a}
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
+    """Sum the gradients over the ranks in one flat buffer (a rank whose share trained nothing adds
+    zeros), so every rank holds the whole batch's gradient and takes the same step."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
