@@ -1,0 +1,180 @@
+"""Scale-out on a real local Ray cluster (2 CPUs): data-parallel ranks take one process's update,
+rollout workers give one process's rollouts token for token, a killed worker's episodes rerun,
+and a killed driver resumes with --resume."""
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from compactrl.cluster import ClusterConfig, connect
+from compactrl.config import load_config
+from compactrl.rl.loop import TrainConfig, train
+from compactrl.rl.trainer import Sample, Trainer, token_weights
+from compactrl.trace import Trace
+from test_trainer import engine_traces, samples_of
+
+ray = pytest.importorskip("ray")
+
+QUICK = ["steps=12", "checkpoint_every=2", "threads=1"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def test_rollouts_split_whole_and_balanced_by_tokens():
+    from compactrl.cluster.data_parallel import split_by_tokens
+
+    def sample(n, seq):
+        return Sample(Trace.from_tokens(np.arange(n)), np.zeros(n, np.float32), seq)
+
+    # rollout 0 has two re-prefill segments (50 + 40 tokens): they stay together
+    samples = [sample(50, 0), sample(10, 1), sample(40, 0), sample(60, 2), sample(30, 3), sample(20, 4)]
+    shares = split_by_tokens(samples, 2)
+    assert sorted(i for s in shares for i in s) == list(range(6))
+    owner = {samples[i].sequence: r for r, s in enumerate(shares) for i in s}
+    assert all(owner[samples[i].sequence] == r for r, s in enumerate(shares) for i in s)
+    assert [sum(len(samples[i].trace) for i in s) for s in shares] == [110, 100]  # 90|60, +30|+20, +10
+    assert split_by_tokens(samples, 2) == shares and split_by_tokens(samples, 1) == [list(range(6))]
+
+
+def test_inconsistent_cluster_sections_are_refused():
+    with pytest.raises(ValueError, match="need cluster.backend = 'ray'"):
+        ClusterConfig(rollout_workers=2)
+    with pytest.raises(ValueError, match="set cluster.backend = 'ray' or drop address"):
+        ClusterConfig(address="auto")
+    with pytest.raises(ValueError, match="is one process"):
+        ClusterConfig(backend="ray")
+    with pytest.raises(ValueError, match="objective 'sidequest' plays demonstrations"):
+        load_config(TrainConfig, "configs/sidequest/train.toml",
+                    ["cluster.backend=ray", "cluster.rollout_workers=2"])  # fmt: skip
+
+
+def test_a_cluster_too_small_for_the_actors_is_refused(cluster):
+    with pytest.raises(ValueError, match="has 2 CPUs but \\[cluster\\] asks for 3"):
+        connect(ClusterConfig(backend="ray", rollout_workers=3))
+
+
+def test_two_trainer_ranks_take_the_one_process_update(cluster, tiny_lm):
+    from compactrl.cluster.data_parallel import DataParallelTrainer
+
+    torch.set_num_threads(1)
+    samples = samples_of(engine_traces(tiny_lm, n=6))
+    # one trace per micro-batch on both sides: the forwards are the same computations, so what is
+    # left to differ is the order the per-trace gradients are summed in
+    cfg = load_config(TrainConfig, None, ["cluster.backend=ray", "cluster.trainer_workers=2",
+                                          "train.lr=1e-3", "train.micro_batch_tokens=1"])  # fmt: skip
+    one = Trainer(copy.deepcopy(tiny_lm), cfg.train)
+    dp = DataParallelTrainer(copy.deepcopy(tiny_lm), cfg.train)
+    dp.start(cfg)
+
+    def params(t):
+        return torch.cat([p.detach().flatten() for p in t.params])
+
+    try:
+        for norm in ("token", "sequence", "constant"):  # the batch weights are rank 0's: its settings
+            for t in (one, dp):
+                t.settings = cfg.train.model_copy(update={"norm": norm, "norm_constant": 64.0})
+            a, b = one.step(samples), dp.step(samples)
+            assert float((params(one) - params(dp)).abs().max()) < 1e-6, norm
+            assert b["trained_tokens"] == a["trained_tokens"] and abs(b["loss"] - a["loss"]) < 1e-6
+            assert b["mismatch_kl"] == pytest.approx(a["mismatch_kl"], rel=1e-5)  # of weights 1e-6 apart
+            rank1 = torch.cat([p.flatten() for p in dp.rank_parameters(1)])
+            assert torch.equal(rank1, params(dp))  # every rank holds the same weights
+        moved = float((params(one) - torch.cat([p.detach().flatten() for p in tiny_lm.parameters()])).abs().max())
+        assert moved > 1e-3  # the steps did move the weights
+
+        def per_rank(samples, shares):  # the classic bug: each rank normalises over its own share
+            return [token_weights([samples[i] for i in s], "token") for s in shares]
+
+        dp.share_weights = per_rank
+        for t in (one, dp):
+            t.settings = cfg.train
+        one.step(samples), dp.step(samples)
+        assert float((params(one) - params(dp)).abs().max()) > 1e-4
+    finally:
+        dp.close()
+
+
+def _quickstart(out, *extra):
+    return load_config(TrainConfig, "configs/quickstart.toml", [f"out={out}", *QUICK, *extra])
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rollout_workers_give_one_process_rollouts_token_for_token(cluster, tmp_path):
+    from compactrl.agent.batch import load_engine
+    from compactrl.agent.chat import ChatFormat
+    from compactrl.cluster.rollout import RolloutPool
+    from compactrl.compaction import build_strategy
+    from compactrl.rl.sampler import sample_batch
+
+    torch.set_num_threads(1)
+    cfg = _quickstart(tmp_path, "cluster.backend=ray", "cluster.rollout_workers=2")
+    engine = load_engine(cfg.model, cfg.engine, tmp_path)
+    fmt, strategy = ChatFormat.from_tokenizer(engine.tokenizer), build_strategy(cfg.strategy)
+    pool = RolloutPool(cfg, engine.model, engine.tokenizer, first_index=1)
+    trainer = Trainer(engine.model, cfg.train)
+
+    def same(a, b):
+        assert [r.seed for r in a] == [r.seed for r in b] and len(a) == 16
+        for x, y in zip(a, b):
+            for s, t in zip(x.traces, y.traces, strict=True):
+                assert np.array_equal(s.tokens, t.tokens) and np.array_equal(s.evict_at, t.evict_at)
+                assert np.allclose(s.logprobs, t.logprobs, atol=1e-6, equal_nan=True)
+
+    try:
+        for index in (1, 2):
+            batch, dropped = pool.get()
+            assert (batch.index, batch.version, dropped, batch.restarts) == (index, index - 1, 0, 0)
+            same(batch.results, sample_batch(cfg, engine, fmt, strategy, index))
+            adv = np.array([r.reward for r in batch.results]) - np.mean([r.reward for r in batch.results])
+            trainer.step([Sample(t, np.full(len(t), a, np.float32), i)
+                          for i, (r, a) in enumerate(zip(batch.results, adv)) for t in r.traces])  # fmt: skip
+            pool.push(engine.model)  # the workers sample the next batch on the updated weights
+        pool.prefetch()  # batch 3 is on the workers; one of them is killed mid-step
+        ray.kill(pool.workers[0])
+        batch, _ = pool.get()
+        assert (batch.index, batch.restarts, batch.rerun) == (3, 1, 8)  # its 8 episodes ran again
+        same(batch.results, sample_batch(cfg, engine, fmt, strategy, 3))
+    finally:
+        pool.close()
+
+
+def test_quickstart_on_rollout_workers_learns_as_one_process_and_resumes_after_the_driver_dies(
+    cluster, tmp_path
+):
+    one = train(_quickstart(tmp_path / "one"))
+    assert one["reward"] > _rows(tmp_path / "one")[0]["reward"] + 0.2
+    ray_args = ["cluster.backend=ray", "cluster.rollout_workers=2", f"cluster.address={cluster}"]
+    # the driver is killed (os._exit: no cleanup, no checkpoint) in step 5, after step 4's checkpoint
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, "tests")
+        from test_cluster import _quickstart
+        from compactrl.rl.loop import train
+        cfg = _quickstart({str(tmp_path / "two")!r}, *{ray_args!r})
+        train(cfg, on_step=lambda m: os._exit(9) if m["step"] == 5 else None)
+    """)
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    assert len(_rows(tmp_path / "two")) == 5
+    train(_quickstart(tmp_path / "two", *ray_args), resume=True)
+    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["step"] for r in b] == list(range(1, 13))  # step 5 taken again, logged once
+    for k in ("reward", "tokens", "turns", "trained_tokens"):  # the same rollouts as one process,
+        assert [r[k] for r in b] == [r[k] for r in a], k  # token for token, through kill and resume
+    for k in ("loss", "mismatch_kl"):  # fresh engines lay their KV rows out afresh: float rounding
+        assert [r[k] for r in b] == pytest.approx([r[k] for r in a], rel=1e-3, abs=1e-6), k
+    assert all(r["worker_restarts"] == 0 and r["rerun_episodes"] == 0 for r in b)
