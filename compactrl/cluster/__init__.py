@@ -51,7 +51,7 @@ class ClusterConfig(BaseModel):
                 "rollout_workers = 0, trainer_workers = 1)"
             )
         if self.backend == "local" and self.address is not None:
-            raise ValueError("cluster.address is a Ray cluster's: set cluster.backend = 'ray' or drop address")
+            raise ValueError("cluster.address names a Ray cluster: set cluster.backend = 'ray' or drop it")
         if self.backend == "ray" and not self.rollout_workers and self.trainer_workers == 1:
             raise ValueError(
                 "cluster.backend = 'ray' with no rollout workers and one trainer rank is one process: "
@@ -82,10 +82,11 @@ def connect(cluster: ClusterConfig) -> bool:
     have = ray.cluster_resources()
     for kind, need in cluster.requested().items():
         if need > have.get(kind, 0.0):
+            each = kind.lower() + "s"
             raise ValueError(
                 f"the Ray cluster has {have.get(kind, 0.0):g} {kind}s but [cluster] asks for {need:g} "
-                f"({cluster.rollout_workers} rollout workers x {getattr(cluster, f'rollout_{kind.lower()}s'):g} "
-                f"+ {cluster.trainer_workers - 1} trainer ranks x {getattr(cluster, f'trainer_{kind.lower()}s'):g}); "
+                f"({cluster.rollout_workers} rollout workers x {getattr(cluster, 'rollout_' + each):g} + "
+                f"{cluster.trainer_workers - 1} trainer ranks x {getattr(cluster, 'trainer_' + each):g}); "
                 "lower the workers or their rollout_/trainer_ resources, or add nodes"
             )
     return owned

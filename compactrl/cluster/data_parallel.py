@@ -66,7 +66,7 @@ class TrainerRank:
         self.trainer.reference = reference.to(next(self.trainer.model.parameters()).device)
 
     def step(self, parts, weights, lrs: list[float]) -> tuple[list[dict], float]:
-        parts, weights = copy.deepcopy((parts, weights))  # the object store's arrays are read-only views; torch wants its own
+        parts, weights = copy.deepcopy((parts, weights))  # writable: the object store's arrays are not
         for group, lr in zip(self.trainer.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         return self.trainer.step_share(parts, weights)

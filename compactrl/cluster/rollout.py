@@ -136,7 +136,7 @@ class RolloutPool:
                 todo.append(self._give(share.slot, share.episodes, p.seeds, p.sample_seeds))
                 continue
             versions.append(version)
-            got = copy.deepcopy(got)  # the object store's arrays are read-only views; training wants its own
+            got = copy.deepcopy(got)  # writable arrays: the object store's are read-only views
             for i, r in zip(share.episodes, got, strict=True):
                 results[i] = r
         return Batch(p.index, min(versions), results, restarts, rerun)
