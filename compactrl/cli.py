@@ -918,6 +918,40 @@ def bench_memory(
     out.print(f"wrote {bench.results}" + (f" and {bench.plot}" if bench.plot else ""))
 
 
+@bench_app.command("scale")
+def bench_scale(
+    config: Annotated[Path, typer.Argument(help="Train config of the workload.")] = Path(
+        "configs/bench/scale.toml"
+    ),
+    overrides: SetOption = None,
+    layout: Annotated[
+        list[str] | None, typer.Option(help="Layouts to run (repeatable; default all).")
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """RL steps/s: one process against rollout workers and data-parallel ranks on Ray."""
+    from compactrl.bench.scale import LAYOUTS, markdown, run_scale_bench
+    from compactrl.rl.loop import TrainConfig
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        fail("bench scale runs Ray layouts: pip install 'compactrl[ray]'")
+    cfg = load_run_config(TrainConfig, config, overrides)
+    with progress_bar("bench scale") as progress:
+        try:
+            result = run_scale_bench(cfg, Path(cfg.out), layout or list(LAYOUTS), progress)
+        except ValueError as e:
+            fail(str(e))
+    if output:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        emit_json(result)
+        return
+    out.print(markdown(result))
+
+
 @bench_app.command("modes")
 def bench_modes(
     model_dir: Annotated[
