@@ -178,3 +178,44 @@ def test_quickstart_on_rollout_workers_learns_as_one_process_and_resumes_after_t
     for k in ("loss", "mismatch_kl"):  # fresh engines lay their KV rows out afresh: float rounding
         assert [r[k] for r in b] == pytest.approx([r[k] for r in a], rel=1e-3, abs=1e-6), k
     assert all(r["worker_restarts"] == 0 and r["rerun_episodes"] == 0 for r in b)
+
+
+def test_rollout_workers_sample_ahead_within_the_lag_bound(cluster, tmp_path):
+    wide = ["train.clip_low=0.99", "train.clip_high=100"]  # as the one-process test of max_lag
+    cfg = _quickstart(tmp_path, "cluster.backend=ray", "cluster.rollout_workers=2", "max_lag=1", *wide)
+    rows = []
+    train(cfg, on_step=rows.append)
+    assert all(r["lag"] <= 1 and r["errors"] == 0 for r in rows)
+    assert sum(r["lag"] == 1 for r in rows) >= len(rows) // 2  # the workers ran ahead of the trainer
+    assert all(r["mismatch_kl"] < 1e-6 for r in rows if r["lag"] == 0)
+    assert max(r["mismatch_kl"] for r in rows if r["lag"] == 1) > 1e-4  # stale rollouts show it
+    assert all(r["sync_s"] > 0 for r in rows)  # weights went to the workers after every step
+
+
+class Crash(Exception):
+    pass
+
+
+def test_two_trainer_ranks_train_as_one_process_and_resume_from_a_checkpoint(cluster, tmp_path):
+    from compactrl.models.loading import load_model
+
+    short = ["steps=4"]
+    one = _quickstart(tmp_path / "one", *short)
+    train(one)
+    dp = _quickstart(tmp_path / "dp", *short, "cluster.backend=ray", "cluster.trainer_workers=2")
+
+    def crash(m):
+        if m["step"] == 3:  # after the step-2 checkpoint
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(dp, on_step=crash)
+    train(dp, resume=True)  # the second rank starts from the resumed weights and AdamW state
+    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "dp")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for k in ("reward", "tokens", "trained_tokens"):
+        assert [r[k] for r in b] == [r[k] for r in a], k
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-3, abs=1e-6)
+    x, y = (load_model(tmp_path / d / "checkpoints" / "step_00000004" / "model") for d in ("one", "dp"))
+    pairs = zip(x.state_dict().values(), y.state_dict().values(), strict=True)
+    assert max(float((p - q).abs().max()) for p, q in pairs) < 1e-4

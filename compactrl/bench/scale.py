@@ -52,7 +52,7 @@ def run_scale_bench(cfg: TrainConfig, out: Path, layouts: list[str], progress=No
             metrics: list[dict] = []
             t0 = time.perf_counter()
 
-            def step(m, ends=ends, metrics=metrics):
+            def step(m, ends=ends, metrics=metrics, name=name):
                 ends.append(time.perf_counter())
                 metrics.append(m)
                 advance(f"{name} step {m['step']}")

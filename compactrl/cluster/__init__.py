@@ -25,8 +25,8 @@ class ClusterConfig(BaseModel):
         "local", description="local: one process (engine and trainer share the model); ray: actors"
     )
     address: str | None = Field(
-        None, description="ray: an existing cluster's address (e.g. 'ray://head:10001' or 'auto'); "
-        "None starts a local cluster with this machine's CPUs"
+        None, description="ray: the cluster to join, from one of its nodes ('auto', or 'HOST:6379'; "
+        "trainer ranks reach the driver directly); unset: start a local one with this machine's CPUs"
     )  # fmt: skip
     rollout_workers: int = Field(
         0, ge=0, description="ray: engine actors that sample the RL steps' rollouts (0: the driver's engine)"
