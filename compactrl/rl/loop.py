@@ -10,7 +10,9 @@ object, so the update reaches the engine in place with nothing to copy (the engi
 projection reads views of the same parameters); by default sampling is synchronous, so rollouts
 are never stale (``max_lag`` samples ahead: ``rl/sampler.py``). Metrics go to ``metrics.jsonl``
 (and TensorBoard when installed); checkpoints go to ``checkpoints/`` and ``--resume`` continues
-from the newest exactly: the data of step N depends only on N and the seed.
+from the newest exactly: the data of step N depends only on N and the seed. A ``[cluster]`` section
+(``backend = "ray"``) samples the RL steps on rollout worker actors and trains on data-parallel
+ranks with the driver as rank 0 (:mod:`compactrl.cluster`); the loop is the same.
 """
 
 from __future__ import annotations
@@ -566,7 +568,8 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
     else:
         batch, dropped = sampler.get()
         results, lag = batch.results, sampler.pushed - batch.version
-        faults = {"worker_restarts": batch.restarts, "rerun_episodes": batch.rerun}
+        if cfg.cluster.rollout_workers:
+            faults = {"worker_restarts": batch.restarts, "rerun_episodes": batch.rerun}
     t1 = time.perf_counter()
     rewards = np.array([r.reward for r in results])
     loss = {"rl": "pg", "rft": "sft", "distill": "distill"}[cfg.objective]
@@ -603,7 +606,7 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         "sync_s": time.perf_counter() - t2,  # 0 when the engine shares the trainer's model
         "lag": lag,
         "dropped_batches": dropped,
-        **(faults if cfg.cluster.rollout_workers else {}),
+        **faults,
     }
     return last
 
