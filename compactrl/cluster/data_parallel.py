@@ -79,7 +79,9 @@ class DataParallelTrainer(Trainer):
     """Rank 0, in the driver: the loop uses it as a :class:`Trainer`; :meth:`start` (after any
     resume, so the ranks copy the resumed weights and optimizer) starts the other ranks."""
 
-    ranks: list = []
+    def __init__(self, *args, **kwargs) -> None:
+        self.ranks: list = []  # before Trainer's __init__, which sets the reference
+        super().__init__(*args, **kwargs)
 
     def start(self, cfg) -> None:
         world = cfg.cluster.trainer_workers
@@ -115,8 +117,8 @@ class DataParallelTrainer(Trainer):
         return [[w[i] for i in share] for share in shares]
 
     def step_parts(self, parts):
-        if not self.ranks:
-            return super().step_parts(parts)
+        if not self.ranks or not all(samples for samples, _, _ in parts):
+            return super().step_parts(parts)  # one rank; or refused there, as in one process
         t0, world = time.perf_counter(), len(self.ranks) + 1
         per_rank: list[tuple[list, list]] = [([], []) for _ in range(world)]
         for samples, loss, scale in parts:
