@@ -921,7 +921,7 @@ def bench_memory(
 @bench_app.command("scale")
 def bench_scale(
     config: Annotated[Path, typer.Argument(help="Train config of the workload.")] = Path(
-        "configs/bench/scale.toml"
+        "configs/train/scale.toml"
     ),
     overrides: SetOption = None,
     layout: Annotated[

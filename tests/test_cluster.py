@@ -50,13 +50,13 @@ def test_rollouts_split_whole_and_balanced_by_tokens():
 def test_inconsistent_cluster_sections_are_refused():
     with pytest.raises(ValueError, match="need cluster.backend = 'ray'"):
         ClusterConfig(rollout_workers=2)
-    with pytest.raises(ValueError, match="set cluster.backend = 'ray' or drop address"):
+    with pytest.raises(ValueError, match="names a Ray cluster: set cluster.backend = 'ray' or drop it"):
         ClusterConfig(address="auto")
     with pytest.raises(ValueError, match="is one process"):
         ClusterConfig(backend="ray")
     with pytest.raises(ValueError, match="objective 'sidequest' plays demonstrations"):
         load_config(TrainConfig, "configs/sidequest/train.toml",
-                    ["cluster.backend=ray", "cluster.rollout_workers=2"])  # fmt: skip
+                    ["model.path=", "cluster.backend=ray", "cluster.rollout_workers=2"])  # fmt: skip
 
 
 def test_a_cluster_too_small_for_the_actors_is_refused(cluster):

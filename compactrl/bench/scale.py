@@ -1,6 +1,6 @@
 """`compactrl bench scale [CONFIG]`: RL steps per second, one process against the Ray layouts.
 
-Each layout trains the same config (default ``configs/bench/scale.toml``) for ``steps`` steps into
+Each layout trains the same config (default ``configs/train/scale.toml``) for ``steps`` steps into
 its own folder, one after the other in one run on one Ray cluster. The first step is left out of
 the rate: it carries the actors' start (reported apart as ``first_step_s``). Per layout the
 report gives steps/s, its ratio to one process, and the mean step's generation, training and
