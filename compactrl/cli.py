@@ -128,7 +128,8 @@ def rollout_cmd(
     table.add_column("value", justify="right")
     skip = {"env", "strategy", "mode", "non_completion"}
     if not summary["aux_calls"]:  # SideQuest's counters only when an auxiliary thread ran
-        skip |= {"aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors", "aux_tokens"}
+        skip |= {"aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
+                 "aux_unfinished", "aux_tokens"}  # fmt: skip
     rows = {k: v for k, v in summary.items() if k not in skip}
     rows |= {f"non_completion.{c}": rate for c, rate in summary["non_completion"].items()}
     for k, v in rows.items():

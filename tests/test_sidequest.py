@@ -114,7 +114,10 @@ def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
     results = play(setup, "stream", demo=False)  # a random model: neither calls nor JSON parse
     s = summarize(results)
     assert s["errors"] == 0 and s["aux_calls"] > 0 and s["aux_parse_failures"] == s["aux_calls"]
-    assert s["deleted_cursors"] == 0 and s["evicted_tokens"] == 0
+    assert s["deleted_cursors"] == 0 and s["evicted_tokens"] == 0 and s["aux_unfinished"] == 0
+    # in parallel, a thread still writing when its episode ends is counted apart, never dropped
+    s = summarize(play(setup, "stream", demo=False, parallel=True))
+    assert s["aux_parse_failures"] + s["aux_unfinished"] == s["aux_calls"] > 0 and s["deleted_cursors"] == 0
 
 
 # ---- hindsight labels -------------------------------------------------------------------------------

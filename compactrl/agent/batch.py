@@ -178,7 +178,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
         "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
         "preemptions", "aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
-        "aux_tokens")}  # fmt: skip
+        "aux_unfinished", "aux_tokens")}  # fmt: skip
     n = max(1, len(results))
     return {
         "episodes": len(results),

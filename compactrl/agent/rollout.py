@@ -102,6 +102,7 @@ class EpisodeResult:
     deleted_cursors: int = 0  # cursors their answers deleted
     aux_parse_failures: int = 0  # answers with no readable {"del_cursors": [...]}
     aux_unknown_cursors: int = 0  # named cursors that were not open (never made, or deleted)
+    aux_unfinished: int = 0  # threads not yet collected when the episode ended: they delete nothing
     aux_tokens: int = 0  # tokens the auxiliary threads generated (never in the main stream)
     truncated: bool = False
     at_position_limit: bool = False  # truncated because the stream reached the model's positions
@@ -468,6 +469,7 @@ class Episode:
             if self.aux is not None:  # the episode ended first: the thread's answer deletes nothing
                 await asyncio.wait([self.aux])
                 self.aux = None
+                self.result.aux_unfinished += 1
             if self.session is not None:
                 self.sessions.append(self.session)
                 self.session = None
