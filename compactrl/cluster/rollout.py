@@ -1,10 +1,11 @@
 """Rollout workers: Ray actors that each hold an engine on their own copy of the weights and run
 the episodes the driver gives them.
 
-:class:`RolloutPool` is the driver's side and has the interface of the one-process
-:class:`~compactrl.rl.sampler.BackgroundSampler` (``get`` / ``push`` / ``close``), so the train loop
-does not know which it has. Each batch's episodes (:func:`~compactrl.rl.sampler.batch_seeds`: the
-same env and sampling seeds as one process) are split in contiguous shares, one per worker, and
+:class:`RolloutPool` is the driver's side, a :class:`~compactrl.rl.sampler.LagBounded` sampler as the
+one-process :class:`~compactrl.rl.sampler.BackgroundSampler` is (``get`` / ``push`` / ``close``), so
+the train loop does not know which it has. Each batch's episodes
+(:func:`~compactrl.rl.sampler.batch_seeds`: the same env and sampling seeds as one process) are
+split in contiguous shares, one per worker, and
 gathered back in order. After each optimizer step the trainable weights go once into Ray's object
 store and every worker stages them (:meth:`Engine.stage_weights`): with ``max_lag = 0`` the next
 batch waits for that, so rollouts are on-policy and equal one process's token for token; with
@@ -30,7 +31,7 @@ from compactrl.agent.chat import ChatFormat
 from compactrl.compaction import build_strategy
 from compactrl.engine import Engine
 from compactrl.rl.monitor import note
-from compactrl.rl.sampler import Batch, batch_seeds, run_seeds, trainable_state
+from compactrl.rl.sampler import Batch, LagBounded, batch_seeds, run_seeds, trainable_state
 
 
 class RolloutWorker:
@@ -76,7 +77,7 @@ class _Pending:
     shares: list[_Share]
 
 
-class RolloutPool:
+class RolloutPool(LagBounded):
     """``cluster.rollout_workers`` workers sampling the RL steps' batches for the driver."""
 
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, first_index: int, worker=RolloutWorker):
@@ -141,16 +142,9 @@ class RolloutPool:
                 results[i] = r
         return Batch(p.index, min(versions), results, restarts, rerun)
 
-    def get(self) -> tuple[Batch, int]:
-        """The next batch within the lag bound, and how many older ones were dropped for it."""
-        dropped = 0
-        while True:
-            self.prefetch()
-            batch = self._gather(self.pending.popleft())
-            self.next_index = batch.index + 1
-            if self.pushed - batch.version <= self.cfg.max_lag:
-                return batch, dropped
-            dropped += 1
+    def _next_batch(self) -> Batch:
+        self.prefetch()
+        return self._gather(self.pending.popleft())
 
     def push(self, model: torch.nn.Module) -> None:
         """Send the trainer's updated weights to every worker (once through the object store)."""

@@ -64,7 +64,30 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-class BackgroundSampler:
+class LagBounded:
+    """What the train loop asks of a sampler that runs ahead: ``get`` the next batch begun at most
+    ``max_lag`` updates before now (older ones dropped and counted), ``push`` weights, ``close``.
+    Subclasses say where the next batch comes from (``_next_batch``) and keep ``pushed``."""
+
+    cfg: object
+    pushed: int
+    next_index: int  # the data position a checkpoint records
+
+    def _next_batch(self) -> Batch:
+        raise NotImplementedError
+
+    def get(self) -> tuple[Batch, int]:
+        """The next batch within the lag bound, and how many older ones were dropped for it."""
+        dropped = 0
+        while True:
+            batch = self._next_batch()
+            self.next_index = batch.index + 1
+            if self.pushed - batch.version <= self.cfg.max_lag:
+                return batch, dropped
+            dropped += 1
+
+
+class BackgroundSampler(LagBounded):
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, fmt, strategy, first_index: int):
         self.cfg, self.fmt, self.strategy = cfg, fmt, strategy
         self.engine = Engine(copy.deepcopy(model), tokenizer, cfg.engine)  # its own weights
@@ -92,20 +115,14 @@ class BackgroundSampler:
         except BaseException as e:  # surfaced in the training thread by get()
             self._error = e
 
-    def get(self) -> tuple[Batch, int]:
-        """The next batch within the lag bound, and how many older ones were dropped for it."""
-        dropped = 0
+    def _next_batch(self) -> Batch:
         while True:
             if self._error is not None:
                 raise RuntimeError(f"the background sampler failed: {self._error}") from self._error
             try:
-                batch = self.ready.get(timeout=0.05)
+                return self.ready.get(timeout=0.05)
             except queue.Empty:
                 continue
-            self.next_index = batch.index + 1
-            if self.pushed - batch.version <= self.cfg.max_lag:
-                return batch, dropped
-            dropped += 1
 
     def push(self, model: torch.nn.Module) -> None:
         """Hand the trainer's updated weights to the engine (loaded in flight)."""
