@@ -19,6 +19,7 @@ from compactrl.masks import dense_mask
 from compactrl.models.config import FAMILIES as MODEL_FAMILIES
 from compactrl.models.config import load_config
 from compactrl.models.loading import config_summary, load_model, resolve_dtype
+from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tiny import init_random, tiny_config, write_tiny_model
 from compactrl.rl.forward import reprefill_logprobs, stream_logprobs
 from compactrl.rl.reference import incremental_logprobs, random_eviction_stream
@@ -332,6 +333,8 @@ def verify_run(run_dir: str | Path, model_dir: str | Path | None = None, toleran
         )
     folder = Path(model_dir) if model_dir else Path(cfg["model"]["path"] or run_dir / "model")
     model = load_model(folder, dtype=cfg["model"]["dtype"])
+    if cfg["strategy"].get("thread_adapter"):  # SideQuest's thread adapter: on the forks' own tokens
+        load_thread_adapter(model, cfg["strategy"]["thread_adapter"])
     traces = load_traces(run_dir / "traces.jsonl")
     if not traces:
         raise ValueError(f"{run_dir / 'traces.jsonl'} holds no traces")

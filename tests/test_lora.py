@@ -67,3 +67,32 @@ def test_adapter_checkpoint_state_round_trips_and_names_a_mismatch(tiny_lm):
         Adapters(c).load_state_dict(state)
     with pytest.raises(ValueError, match="not projections"):
         LoraSettings(targets=("qkv",))
+
+
+def test_a_gated_adapter_acts_only_on_the_tokens_the_mask_marks(tiny_lm):
+    """SideQuest's thread adapter: a gated-off token computes exactly what the base computes."""
+    from compactrl.models.lora import adapter_mask, gate_adapters
+
+    plain, model = copy.deepcopy(tiny_lm), copy.deepcopy(tiny_lm)
+    add_lora(model, LoraSettings(r=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    tokens = np.arange(3, 40)
+    T, k = len(tokens), 20
+    base, everywhere = logits(plain, tokens), logits(model, tokens)
+    gate = gate_adapters(model)
+    assert torch.equal(logits(model, tokens), everywhere)  # no mask: everywhere
+    with adapter_mask(model, lambda: torch.zeros(T, dtype=torch.bool)):
+        assert torch.equal(logits(model, tokens), base)
+    with adapter_mask(model, lambda: torch.ones(T, dtype=torch.bool)):
+        assert torch.equal(logits(model, tokens), everywhere)
+    with adapter_mask(model, lambda: torch.arange(T) >= k):
+        mixed = logits(model, tokens)
+    assert gate.mask is None  # open again after the forward
+    assert torch.equal(mixed[:, :k], base[:, :k])  # before the thread: the base (causal)
+    assert (mixed[:, k:] - base[:, k:]).abs().max() > 1e-3  # the adapter acts on the thread's tokens
+    assert (mixed[:, k:] - everywhere[:, k:]).abs().max() > 1e-3  # reading the base's K/V of the prefix
+    with adapter_mask(model, lambda: torch.ones(T - 1, dtype=torch.bool)), pytest.raises(RuntimeError, match="gate"):
+        logits(model, tokens)

@@ -291,3 +291,72 @@ def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_adv
     assert last["trained_tokens"] == main + aux
     with pytest.raises(ConfigError, match="advantage = 'gae' values the main thread only"):
         load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, "advantage=gae"])
+
+
+# ---- the thread adapter ------------------------------------------------------------------------------
+def test_a_thread_adapter_acts_on_the_forks_only_and_the_trainer_replays_it(tmp_path):
+    """Gated LoRA (sidequest.adapter = 'thread'): the main thread is the base model, the forks run
+    the adapter over the KV the base wrote, and the one-pass trainer reproduces both (with a pool
+    small enough that sessions are preempted and recomputed)."""
+    from compactrl.engine import EngineConfig
+    from compactrl.models.lora import LoraSettings, add_lora, gate_adapters
+
+    folder = write_tiny_model(tmp_path / "m")
+    base = load_model(folder)
+    for pool, parallel in ((None, True), (1000, False)):
+        engine = Engine.from_pretrained(folder, config=EngineConfig(kv_pool_tokens=pool) if pool else None)
+        add_lora(engine.model, LoraSettings(r=4))
+        with torch.no_grad():
+            for name, p in engine.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        gate_adapters(engine.model)
+        fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+        results = play((engine, fmt, None), "stream", parallel=parallel, seeds=[3, 4, 5, 6])
+        assert sum(r.deleted_cursors for r in results) > 0
+        if pool:
+            assert sum(r.preemptions for r in results) > 0
+        for r in results:
+            (t,) = r.traces
+            assert r.error is None and logprob_gap(base, t) < 5e-5  # the main thread is the base model
+            assert max(logprob_gap(engine.model, x) for x in [t, *r.aux_traces]) < 5e-5  # engine == trainer
+            assert min(logprob_gap(base, x) for x in r.aux_traces) > 1e-3  # the forks run the adapter
+        engine.model.adapter_gate = None  # negative control: the adapter everywhere
+        assert all(logprob_gap(engine.model, x) > 1e-3 for r in results for x in [*r.traces, *r.aux_traces])
+
+
+def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_base(tmp_path):
+    """sidequest.adapter = 'thread': CE on the thread's samples only (no KL: the main thread is the
+    base exactly); the checkpoint's adapters then roll out on a base model (strategy.thread_adapter)
+    and `verify run` replays them."""
+    import json
+
+    from compactrl.agent.batch import RolloutConfig, rollout
+    from compactrl.config import load_config
+    from compactrl.rl.loop import TrainConfig, train
+    from compactrl.verify import verify_run
+
+    sets = [f"out={tmp_path / 'train'}", "steps=6", "prompts=2", "threads=1", "model.path=", "model.size=tiny",
+            "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lr=5e-2", "sidequest.kl=0",
+            "sidequest.adapter=thread", "checkpoint_every=6"]  # fmt: skip
+    train(load_config(TrainConfig, "configs/sidequest/train.toml", sets))
+    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean([r["aux_ce"] for r in rows[-2:]]) < 0.7 * np.mean([r["aux_ce"] for r in rows[:2]])
+    ckpt, base = tmp_path / "train" / "checkpoints" / "step_00000006", tmp_path / "train" / "model"
+    roll = [f"out={tmp_path / 'roll'}", f"model.path={base}", f"strategy.thread_adapter={ckpt}", "episodes=2",
+            "concurrency=2", "threads=1", "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16",
+            "rollout.max_turns=3", "rollout.temperature=1.0"]  # fmt: skip
+    s = rollout(load_config(RolloutConfig, "configs/rollout/sidequest.toml", roll))
+    assert s["errors"] == 0 and s["aux_calls"] > 0
+    assert verify_run(tmp_path / "roll")["ok"]  # the adapter on the forks, the base elsewhere
+    from compactrl.trace import load_traces
+
+    plain = load_model(base)
+    traces = load_traces(tmp_path / "roll" / "traces.jsonl")
+    assert max(logprob_gap(plain, t) for t in traces if not t.meta.get("aux")) < 5e-5
+    assert min(logprob_gap(plain, t) for t in traces if t.meta.get("aux")) > 1e-3  # negative control
+    for bad, match in (("sidequest.kl=500", "set sidequest.kl = 0"), ("train.lora=", "set train.lora")):
+        with pytest.raises(ValueError, match=match):
+            load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, bad])
+    with pytest.raises(ValueError, match="thread_adapter loads a trained"):
+        load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, f"strategy.thread_adapter={ckpt}"])

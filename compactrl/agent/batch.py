@@ -28,6 +28,7 @@ from compactrl.compaction.sidequest import deletion_scores
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import EnvConfig, RoomsConfig, make_env
 from compactrl.models.loading import DTYPES
+from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tokenizer import Tokenizer
 from compactrl.trace import save_traces
 
@@ -220,6 +221,8 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)
+    if getattr(cfg.strategy, "thread_adapter", None):
+        load_thread_adapter(engine.model, cfg.strategy.thread_adapter)
     fmt = ChatFormat.from_tokenizer(
         engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
     )

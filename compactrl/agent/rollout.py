@@ -343,6 +343,7 @@ class Episode:
         turn = len(chat.messages)
         child = self.session.fork(f"{self.rollout_id}-aux{action}")
         fork_at = len(child.tokens)
+        child.adapter_from = fork_at  # a thread adapter (gated LoRA) acts on the thread's tokens only
         params = SamplingParams(
             max_tokens=plan.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p,
             top_k=self.settings.top_k, stop_token_ids=list(self.fmt.stop_ids),

@@ -85,8 +85,14 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "threads": cfg.threads, "model": cfg.model.path,
     }  # fmt: skip
     if s.get("aux_calls"):
-        keys = ("aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors", "aux_unfinished",
-                "aux_tokens")
+        keys = (
+            "aux_calls",
+            "deleted_cursors",
+            "aux_parse_failures",
+            "aux_unknown_cursors",
+            "aux_unfinished",
+            "aux_tokens",
+        )
         keys += ("deletion_precision", "deletion_recall")
         row |= {k: s.get(k) for k in keys}  # None: a row run before the counter existed
     return row

@@ -131,6 +131,10 @@ class SideQuestConfig(_Config):
     )  # fmt: skip
     trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
+    thread_adapter: str | None = Field(
+        None, description="a checkpoint folder of a sidequest.adapter = 'thread' fine-tune: its LoRA "
+        "adapters act on the auxiliary thread's tokens only, the main thread stays model.path"
+    )  # fmt: skip
 
 
 StrategyConfig = Annotated[

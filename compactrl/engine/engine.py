@@ -31,11 +31,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache, Segment
 from compactrl.engine.linear import Linears, MatmulMode
-from compactrl.engine.runner import Feed, forward_step, prefill_stream
+from compactrl.engine.runner import Feed, forward_step, prefill_stream, step_order, thread_tokens
 from compactrl.engine.sampling import Sampler, find_stop
 from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError
 from compactrl.models.decoder import CausalLM
 from compactrl.models.loading import load_model
+from compactrl.models.lora import adapter_mask
 from compactrl.models.tokenizer import Tokenizer
 
 
@@ -240,9 +241,11 @@ class Engine:
             return
         T = s.fed
         ev = torch.tensor([T if e is None or e >= T else e for e in s.evict_at[:T]])
-        ks, vs, logits = prefill_stream(
-            self.model, s.tokens[:T], ev, linears=self.linears, projections=self.projections
-        )
+        own = s.adapter_from if s.adapter_from is not None else T
+        with adapter_mask(self.model, lambda: torch.arange(T, device=self.kv.device) >= own):
+            ks, vs, logits = prefill_stream(
+                self.model, s.tokens[:T], ev, linears=self.linears, projections=self.projections
+            )
         # live now: never evicted, evicted later than T, or evicted at T by a drop still pending
         pending = {j for e, idx in s.drops if e == T for j in idx}
         alive = [j for j, e in enumerate(s.evict_at[:T]) if e is None or e > T or j in pending]
@@ -300,7 +303,8 @@ class Engine:
         feeds, pool_used = self._schedule()
         if feeds:
             t0 = time.perf_counter()
-            logits = forward_step(self.model, self.kv, feeds, self.projections, self.linears)
+            with adapter_mask(self.model, lambda: thread_tokens(step_order(feeds), self.kv.device)):
+                logits = forward_step(self.model, self.kv, feeds, self.projections, self.linears)
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):
                 self._fed(f, logits.get(i))

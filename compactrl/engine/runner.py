@@ -85,6 +85,21 @@ def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tenso
 
 
 @torch.inference_mode()
+def step_order(feeds: list[Feed]) -> list[Feed]:
+    """The order of a step's tokens: single decode tokens (no shared prefix) first, by row (their
+    attention is one batched call over a block of rows, their queries a plain slice), then the rest."""
+    dec = sorted((f for f in feeds if f.n == 1 and not f.chain), key=lambda f: f.row)
+    return dec + [f for f in feeds if f.n > 1 or f.chain]
+
+
+def thread_tokens(order: list[Feed], device) -> torch.Tensor:
+    """Which of the step's tokens belong to a session's own thread (``Session.adapter_from``: the
+    gated adapters act there)."""
+    marks = [f.session.adapter_from is not None and p >= f.session.adapter_from
+             for f in order for p in range(f.start, f.start + f.n)]  # fmt: skip
+    return torch.tensor(marks, device=device)
+
+
 def forward_step(
     model: CausalLM,
     kv: KVCache,
@@ -96,18 +111,15 @@ def forward_step(
     ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`)."""
     device = kv.device
     lin = linears or Linears(model, "native")
-    # single decode tokens (no shared prefix) go first, ordered by row: their attention is one
-    # batched call over a block of rows, and their queries a plain slice of the step's tokens
-    dec = sorted((f for f in feeds if f.n == 1 and not f.chain), key=lambda f: f.row)
-    rest = [f for f in feeds if f.n > 1 or f.chain]
-    order = dec + rest
+    order = step_order(feeds)
+    B = sum(f.n == 1 and not f.chain for f in feeds)
+    dec, rest = order[:B], order[B:]
     offsets, N = {}, 0
     for f in order:
         offsets[id(f)] = N
         N += f.n
     tokens = torch.tensor([t for f in order for t in f.tokens], device=device)
     positions = torch.tensor([p for f in order for p in range(f.start, f.start + f.n)], device=device)
-    B = len(dec)
     if B:
         d_rows = torch.tensor([f.row for f in dec], device=device)
         d_ent = torch.tensor([f.entry for f in dec], device=device)

@@ -103,6 +103,7 @@ class Session:
         self.live = 0  # live (not evicted) fed-or-unfed tokens
         self.metrics = SessionMetrics()
         self.evictor: EvictorState | None = None  # a token evictor the engine runs (use_evictor)
+        self.adapter_from: int | None = None  # gated adapters act from this stream index (a thread's own)
         self.admitted_at = 0  # scheduler tick of the last admission (LIFO preemption order)
         self.last_active = 0.0  # time.monotonic() of the last work (LRU displacement of idle sessions)
 

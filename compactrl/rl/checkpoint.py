@@ -145,7 +145,7 @@ def save_checkpoint(
         save_file(tensors, tmp / "optimizer.safetensors")
         for name, module in (modules or {}).items():
             weights = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-            save_file(weights, tmp / f"{name}.safetensors")
+            save_file(weights, tmp / f"{name}.safetensors", metadata=getattr(module, "metadata", None))
         payload = {
             "step": step,
             "state": state,

@@ -16,8 +16,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+from compactrl.compaction.sidequest import thread_mask
 from compactrl.masks import chunked_mask, dense_mask, flex_block_mask, pack, pack_greedy
 from compactrl.models.decoder import CausalLM, token_logprobs, topk_logprobs
+from compactrl.models.lora import adapter_mask
 from compactrl.trace import Trace
 
 Backend = Literal["chunked", "dense", "flex"]
@@ -50,7 +52,10 @@ def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, ma
     for row in rows:
         packed = pack([traces[k] for k in row], device)
         mask = _row_mask(packed.evict_at, backend, chunk)
-        yield row, packed, model.hidden_states(packed.tokens, packed.positions, mask)[0]
+        own = [thread_mask(traces[k]) for k in row]
+        with adapter_mask(model, lambda: torch.as_tensor(np.concatenate(own), device=device)):  # noqa: B023
+            hidden = model.hidden_states(packed.tokens, packed.positions, mask)[0]
+        yield row, packed, hidden
 
 
 def stream_logprobs(

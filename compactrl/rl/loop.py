@@ -44,7 +44,7 @@ from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.envs.base import HELD_OUT_SEED
 from compactrl.models.loading import load_model, save_model
-from compactrl.models.lora import Adapters
+from compactrl.models.lora import Adapters, gate_adapters
 from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import (
     latest_checkpoint,
@@ -80,6 +80,12 @@ class SideQuestTrain(BaseModel):
     )  # fmt: skip
     kl: float = Field(500.0, ge=0, description="lambda of the KL term (the paper's 500): top-k "
                       "coarse-grained KL (train.distill_top_k), a lower bound on the exact one")  # fmt: skip
+    adapter: Literal["all", "thread"] = Field(
+        "all", description="all: the paper's, one adapter for both threads (the KL keeps the main "
+        "thread near the base); thread: the adapters act on the auxiliary thread's tokens only, so the "
+        "main thread is the base exactly (kl = 0) and the thread reads the KV the base wrote; roll it "
+        "out with strategy.thread_adapter = <checkpoint>"
+    )  # fmt: skip
 
 
 class TrainConfig(BaseModel):
@@ -221,6 +227,19 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "objective = 'sidequest' trains the auxiliary thread the [strategy] calls: set "
                 "strategy.name = 'sidequest' (its every and trigger are used for the labels)"
+            )
+        if self.objective == "sidequest" and self.sidequest.adapter == "thread":
+            if not self.train.lora:
+                raise ValueError("sidequest.adapter = 'thread' gates LoRA adapters: set train.lora")
+            if self.sidequest.kl:
+                raise ValueError(
+                    "sidequest.adapter = 'thread' leaves the main thread the base model exactly: there "
+                    "is nothing for the KL to anchor; set sidequest.kl = 0"
+                )
+        if isinstance(self.strategy, SideQuestConfig) and self.strategy.thread_adapter:
+            raise ValueError(
+                "strategy.thread_adapter loads a trained thread adapter for rollouts; training makes "
+                "its own (objective = 'sidequest', sidequest.adapter = 'thread')"
             )
         if self.advantage == "gae" and isinstance(self.strategy, SideQuestConfig):
             raise ValueError(
@@ -426,7 +445,9 @@ def train(
     trainer = _trainer_class(cfg)(model, cfg.train, head, temperature=cfg.rollout.temperature)  # LoRA too
     modules = {"value_head": head} if head is not None else {}
     if cfg.train.lora:  # the base stays the initial model; checkpoints carry the adapters
-        modules["lora"] = Adapters(model)
+        modules["lora"] = Adapters(model, cfg.train.lora)
+        if cfg.objective == "sidequest" and cfg.sidequest.adapter == "thread":
+            gate_adapters(model)  # on the auxiliary threads' tokens only, in the engine and the trainer
     loaded = _resume_point(run_dir, model, trainer, modules) if resume else {"step": 0, "state": {}}
     if cfg.cluster.trainer_workers > 1:  # the other ranks copy the (resumed) weights and optimizer
         trainer.start(cfg)
