@@ -84,7 +84,6 @@ def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tenso
     )
 
 
-@torch.inference_mode()
 def step_order(feeds: list[Feed]) -> list[Feed]:
     """The order of a step's tokens: single decode tokens (no shared prefix) first, by row (their
     attention is one batched call over a block of rows, their queries a plain slice), then the rest."""
@@ -100,6 +99,7 @@ def thread_tokens(order: list[Feed], device) -> torch.Tensor:
     return torch.tensor(marks, device=device)
 
 
+@torch.inference_mode()
 def forward_step(
     model: CausalLM,
     kv: KVCache,
