@@ -427,3 +427,21 @@ def test_yarn_engine_with_evictions_matches_the_trainer_forward():
         eng.run()
         assert all(len(s.tokens) > 40 and any(e is not None for e in s.evict_at) for s in sessions)
         assert_matches_trainer(lm, sessions)
+
+
+def test_engine_steps_record_no_autograd_graph_on_a_trainable_model(tiny_lm):
+    """The engine shares the trainer's module, whose parameters require grad: its forwards run in
+    inference mode, or every step's graph would stay reachable from the KV cache (a leak)."""
+    import copy
+
+    model = copy.deepcopy(tiny_lm).requires_grad_(True)
+    eng = engine(model)
+    s = eng.session("s")
+    s.append(list(range(30)), role="system")
+    kid = s.fork("k")
+    for x in (s, kid):
+        x.append([7, 8])
+        x.generate(SamplingParams(max_tokens=5, seed=1, ignore_eos=True))
+    eng.run()
+    assert not any(t.requires_grad for t in [*eng.kv.k, *eng.kv.v])
+    assert s.pending_logits is None or not s.pending_logits.requires_grad
