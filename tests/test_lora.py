@@ -94,5 +94,6 @@ def test_a_gated_adapter_acts_only_on_the_tokens_the_mask_marks(tiny_lm):
     assert torch.equal(mixed[:, :k], base[:, :k])  # before the thread: the base (causal)
     assert (mixed[:, k:] - base[:, k:]).abs().max() > 1e-3  # the adapter acts on the thread's tokens
     assert (mixed[:, k:] - everywhere[:, k:]).abs().max() > 1e-3  # reading the base's K/V of the prefix
-    with adapter_mask(model, lambda: torch.ones(T - 1, dtype=torch.bool)), pytest.raises(RuntimeError, match="gate"):
+    short = lambda: torch.ones(T - 1, dtype=torch.bool)  # noqa: E731
+    with adapter_mask(model, short), pytest.raises(RuntimeError, match="gate"):
         logits(model, tokens)
