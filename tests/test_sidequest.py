@@ -337,8 +337,8 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
     from compactrl.verify import verify_run
 
     sets = [f"out={tmp_path / 'train'}", "steps=6", "prompts=2", "threads=1", "model.path=",
-            "model.size=tiny", "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lr=5e-2", "sidequest.kl=0",
-            "sidequest.adapter=thread", "checkpoint_every=6"]  # fmt: skip
+            "model.size=tiny", "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lr=5e-2",
+            "sidequest.kl=0", "sidequest.adapter=thread", "checkpoint_every=6"]  # fmt: skip
     train(load_config(TrainConfig, "configs/sidequest/train.toml", sets))
     rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert np.mean([r["aux_ce"] for r in rows[-2:]]) < 0.7 * np.mean([r["aux_ce"] for r in rows[:2]])
