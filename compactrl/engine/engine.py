@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache, Segment
 from compactrl.engine.linear import Linears, MatmulMode
-from compactrl.engine.runner import Feed, forward_step, prefill_stream, step_order, thread_tokens
+from compactrl.engine.runner import Feed, forward_step, prefill_stream, thread_tokens
 from compactrl.engine.sampling import Sampler, find_stop
 from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError
 from compactrl.models.decoder import CausalLM
@@ -303,7 +303,7 @@ class Engine:
         feeds, pool_used = self._schedule()
         if feeds:
             t0 = time.perf_counter()
-            with adapter_mask(self.model, lambda: thread_tokens(step_order(feeds), self.kv.device)):
+            with adapter_mask(self.model, lambda: thread_tokens(feeds, self.kv.device)):
                 logits = forward_step(self.model, self.kv, feeds, self.projections, self.linears)
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):

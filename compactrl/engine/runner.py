@@ -84,18 +84,19 @@ def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tenso
     )
 
 
-def step_order(feeds: list[Feed]) -> list[Feed]:
-    """The order of a step's tokens: single decode tokens (no shared prefix) first, by row (their
+def step_order(feeds: list[Feed]) -> tuple[list[Feed], list[Feed]]:
+    """A step's feeds in token order: single decode tokens (no shared prefix) first, by row (their
     attention is one batched call over a block of rows, their queries a plain slice), then the rest."""
     dec = sorted((f for f in feeds if f.n == 1 and not f.chain), key=lambda f: f.row)
-    return dec + [f for f in feeds if f.n > 1 or f.chain]
+    return dec, [f for f in feeds if f.n > 1 or f.chain]
 
 
-def thread_tokens(order: list[Feed], device) -> torch.Tensor:
-    """Which of the step's tokens belong to a session's own thread (``Session.adapter_from``: the
-    gated adapters act there)."""
+def thread_tokens(feeds: list[Feed], device) -> torch.Tensor:
+    """Which of the step's tokens, in step order, belong to a session's own thread
+    (``Session.adapter_from``: the gated adapters act there)."""
+    dec, rest = step_order(feeds)
     marks = [f.session.adapter_from is not None and p >= f.session.adapter_from
-             for f in order for p in range(f.start, f.start + f.n)]  # fmt: skip
+             for f in dec + rest for p in range(f.start, f.start + f.n)]  # fmt: skip
     return torch.tensor(marks, device=device)
 
 
@@ -111,9 +112,8 @@ def forward_step(
     ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`)."""
     device = kv.device
     lin = linears or Linears(model, "native")
-    order = step_order(feeds)
-    B = sum(f.n == 1 and not f.chain for f in feeds)
-    dec, rest = order[:B], order[B:]
+    dec, rest = step_order(feeds)
+    order, B = dec + rest, len(dec)
     offsets, N = {}, 0
     for f in order:
         offsets[id(f)] = N

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -52,10 +53,14 @@ def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, ma
     for row in rows:
         packed = pack([traces[k] for k in row], device)
         mask = _row_mask(packed.evict_at, backend, chunk)
-        own = [thread_mask(traces[k]) for k in row]
-        with adapter_mask(model, lambda: torch.as_tensor(np.concatenate(own), device=device)):  # noqa: B023
+        with adapter_mask(model, partial(_thread_tokens, [traces[k] for k in row], device)):
             hidden = model.hidden_states(packed.tokens, packed.positions, mask)[0]
         yield row, packed, hidden
+
+
+def _thread_tokens(row: list[Trace], device) -> torch.Tensor:
+    """A packed row's auxiliary-thread tokens (where a gated thread adapter acts)."""
+    return torch.as_tensor(np.concatenate([thread_mask(t) for t in row]), device=device)
 
 
 def stream_logprobs(
