@@ -360,3 +360,38 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
             load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, bad])
     with pytest.raises(ValueError, match="thread_adapter loads a trained"):
         load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, f"strategy.thread_adapter={ckpt}"])
+
+
+def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations(tmp_path, monkeypatch):
+    """configs/sidequest/main_deleted.toml: SFT on the solver's demonstrations played under
+    sequential SideQuest in stream mode. The trainer gets the main streams only, with the oracle's
+    deletions as evictions (so the actions are trained on the contexts SideQuest leaves), and the
+    loss falls."""
+    import json
+
+    from compactrl.config import load_config
+    from compactrl.rl.loop import TrainConfig, train
+    from compactrl.rl.trainer import Trainer
+
+    seen = []
+    step = Trainer.step
+
+    def record(self, samples, **kw):
+        seen.extend(samples)
+        return step(self, samples, **kw)
+
+    monkeypatch.setattr(Trainer, "step", record)
+    sets = [f"out={tmp_path}", "steps=6", "sft_steps=6", "prompts=2", "threads=1", "model.path=",
+            "model.size=tiny", "env.world_size=40", "env.max_hops=3", "train.lora=", "train.lr=3e-3",
+            "checkpoint_every=6"]  # fmt: skip
+    train(load_config(TrainConfig, "configs/sidequest/main_deleted.toml", sets))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["sft"] * 6
+    assert np.mean([r["loss"] for r in rows[-2:]]) < 0.7 * np.mean([r["loss"] for r in rows[:2]])
+    assert len(seen) == 12 and not any(s.trace.meta.get("aux") for s in seen)
+    for s in seen:
+        t = s.trace
+        gone = t.evict_at < len(t)
+        assert gone.any() and (t.cursor[gone] != NO_CURSOR).any()  # whole tool outputs were deleted
+        # and actions were trained after a deletion, on the context without it
+        assert any((t.evict_at[:i] <= i).any() for i in np.flatnonzero(t.trainable))
