@@ -5,6 +5,7 @@ oracle answers the auxiliary thread, both teacher-forced through the engine, so 
 scored by the engine and checked against the trainer's one-pass forward."""
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -41,6 +42,10 @@ def play(setup, mode, parallel=False, every=1, demo=True, seeds=SEEDS):
     strategy = build_strategy(SideQuestConfig(every=every, parallel=parallel)) if mode != "full" else None
     settings = RolloutSettings(max_tokens=64, max_turns=16)
     return asyncio.run(run_episodes(engine, fmt, make, strategy, mode, settings, seeds, 2, demo=demo))
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def logprob_gap(model, trace, view=None) -> float:
@@ -229,8 +234,6 @@ def test_step_parts_accumulate_the_scaled_sum_of_the_parts(setup):
 
 
 def test_the_sidequest_objective_learns_the_thread_and_stays_near_the_reference(tmp_path):
-    import json
-
     from compactrl.config import load_config
     from compactrl.rl.loop import TrainConfig, train
 
@@ -239,7 +242,7 @@ def test_the_sidequest_objective_learns_the_thread_and_stays_near_the_reference(
             "sidequest.kl=5.0", "checkpoint_every=6"]  # fmt: skip
     cfg = load_config(TrainConfig, "configs/sidequest/train.toml", sets)
     train(cfg)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path)
     assert all(r["phase"] == "sidequest" and r["aux_samples"] > 0 and r["correct"] == 1.0 for r in rows)
     assert np.mean([r["aux_ce"] for r in rows[-3:]]) < 0.5 * np.mean([r["aux_ce"] for r in rows[:3]])
     assert rows[0]["main_kl"] < 1e-6 and all(r["main_kl"] >= 0 for r in rows)  # it starts at the reference
@@ -329,8 +332,6 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
     """sidequest.adapter = 'thread': CE on the thread's samples only (no KL: the main thread is the
     base exactly); the checkpoint's adapters then roll out on a base model (strategy.thread_adapter)
     and `verify run` replays them."""
-    import json
-
     from compactrl.agent.batch import RolloutConfig, rollout
     from compactrl.config import load_config
     from compactrl.rl.loop import TrainConfig, train
@@ -340,7 +341,7 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
             "model.size=tiny", "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lr=5e-2",
             "sidequest.kl=0", "sidequest.adapter=thread", "checkpoint_every=6"]  # fmt: skip
     train(load_config(TrainConfig, "configs/sidequest/train.toml", sets))
-    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "train")
     assert np.mean([r["aux_ce"] for r in rows[-2:]]) < 0.7 * np.mean([r["aux_ce"] for r in rows[:2]])
     ckpt, base = tmp_path / "train" / "checkpoints" / "step_00000006", tmp_path / "train" / "model"
     roll = [f"out={tmp_path / 'roll'}", f"model.path={base}", f"strategy.thread_adapter={ckpt}", "episodes=2",
@@ -367,8 +368,6 @@ def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations
     sequential SideQuest in stream mode. The trainer gets the main streams only, with the oracle's
     deletions as evictions (so the actions are trained on the contexts SideQuest leaves), and the
     loss falls."""
-    import json
-
     from compactrl.config import load_config
     from compactrl.rl.loop import TrainConfig, train
     from compactrl.rl.trainer import Trainer
@@ -385,13 +384,13 @@ def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations
             "model.size=tiny", "env.world_size=40", "env.max_hops=3", "train.lora=", "train.lr=3e-3",
             "checkpoint_every=6"]  # fmt: skip
     train(load_config(TrainConfig, "configs/sidequest/main_deleted.toml", sets))
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path)
     assert [r["phase"] for r in rows] == ["sft"] * 6
     assert np.mean([r["loss"] for r in rows[-2:]]) < 0.7 * np.mean([r["loss"] for r in rows[:2]])
     assert len(seen) == 12 and not any(s.trace.meta.get("aux") for s in seen)
     for s in seen:
         t = s.trace
         gone = t.evict_at < len(t)
-        assert gone.any() and (t.cursor[gone] != NO_CURSOR).any()  # whole tool outputs were deleted
+        assert gone.any() and (t.cursor[gone] != NO_CURSOR).any()  # tool outputs were deleted
         # and actions were trained after a deletion, on the context without it
         assert any((t.evict_at[:i] <= i).any() for i in np.flatnonzero(t.trainable))
