@@ -67,6 +67,7 @@ def test_random_eviction_schedules_match_trainer(tiny_lm, schedules, pool):
         s.generate(SamplingParams(max_tokens=2, seed=k, ignore_eos=True, model_logprobs=True))
         sessions.append(s)
     eng.run()
+    assert eng.metrics()["peak_kv_tokens"] <= pool
     assert_matches_trainer(tiny_lm, sessions)
 
 
@@ -98,6 +99,26 @@ def test_oversubscribed_pool_completes_every_session_identically(tiny_lm):
     m = eng.metrics()
     assert m["preemptions"] > 0 and m["reprefilled_tokens"] > 0 and m["peak_kv_tokens"] <= 160
     assert_matches_trainer(tiny_lm, sessions)
+
+
+def test_an_eviction_made_while_preempted_is_not_recomputed_into_the_pool(tiny_lm):
+    """A session preempted before it evicts asks for room for its live tokens only; its recompute
+    must not put the evicted ones back (they once overshot the pool until the next drop)."""
+    eng = Engine(tiny_lm, None, EngineConfig(kv_pool_tokens=100, max_step_tokens=64, idle_grace_s=0.0))
+    a, b = eng.session("a"), eng.session("b")
+    for k, s in enumerate((a, b)):
+        s.append([(3 * k + i) % 300 for i in range(60)], role="system")
+        s.generate(SamplingParams(max_tokens=2, model_logprobs=True, **GREEDY))
+        eng.run()
+    assert a.row is None  # b displaced it
+    a.evict([(1, 50)])
+    a.append([7, 8, 9, 10])
+    a.generate(SamplingParams(max_tokens=2, model_logprobs=True, **GREEDY))
+    eng.run()
+    m = eng.metrics()
+    assert a.metrics.preemptions == 1 and b.metrics.preemptions == 0  # both fit once a's 49 are gone
+    assert m["peak_kv_tokens"] <= 100 and eng.kv.used[a.row] == a.live
+    assert_matches_trainer(tiny_lm, [a, b])
 
 
 def test_fork_shares_the_prefix_without_copying(tiny_lm):

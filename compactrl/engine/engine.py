@@ -246,9 +246,11 @@ class Engine:
             ks, vs, logits = prefill_stream(
                 self.model, s.tokens[:T], ev, linears=self.linears, projections=self.projections
             )
-        # live now: never evicted, evicted later than T, or evicted at T by a drop still pending
-        pending = {j for e, idx in s.drops if e == T for j in idx}
-        alive = [j for j, e in enumerate(s.evict_at[:T]) if e is None or e > T or j in pending]
+        # live now: never evicted or evicted later than T. Drops due at T were requested while the
+        # session was out: they are done here, so the row holds exactly the `live` it asked room for
+        while s.drops and s.drops[0][0] == T:
+            s.drops.popleft()
+        alive = [j for j, e in enumerate(s.evict_at[:T]) if e is None or e > T]
         keep = torch.tensor(alive, dtype=torch.long, device=self.kv.device)
         start = self.kv.append(s.row, len(keep))
         for li in range(self.kv.n_layers):
