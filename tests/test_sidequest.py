@@ -394,3 +394,21 @@ def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations
         assert gone.any() and (t.cursor[gone] != NO_CURSOR).any()  # tool outputs were deleted
         # and actions were trained after a deletion, on the context without it
         assert any((t.evict_at[:i] <= i).any() for i in np.flatnonzero(t.trainable))
+
+
+def test_a_demo_rollout_is_the_solver_and_the_oracle_the_floor_a_policy_is_measured_against(tmp_path):
+    """`rollout --set demo=true`: the solver plays (every answer right) and, under sequential
+    SideQuest, the env's oracle deletes exactly the expired cursors, below full context's peak."""
+    from compactrl.agent.batch import RolloutConfig, rollout
+    from compactrl.config import load_config
+
+    sets = ["demo=true", "model.path=", "model.size=tiny", "episodes=2", "concurrency=2", "threads=1",
+            "env.world_size=40", "env.min_hops=3", "env.max_hops=4", "rollout.max_turns=16"]  # fmt: skip
+    def run(*more):
+        return rollout(load_config(RolloutConfig, "configs/rollout/sidequest.toml", [*sets, *more]))
+
+    full = run("mode=full", "strategy.name=none", f"out={tmp_path / 'full'}")
+    seq = run("strategy.every=1", "strategy.parallel=false", f"out={tmp_path / 'seq'}")
+    assert full["accuracy"] == seq["accuracy"] == 1.0 and full["aux_calls"] == 0
+    assert seq["deleted_cursors"] > 0 and seq["deletion_precision"] == seq["deletion_recall"] == 1.0
+    assert seq["mean_peak_live_kv"] < full["mean_peak_live_kv"]

@@ -94,6 +94,12 @@ class RolloutConfig(BaseModel):
     seed: int = Field(0, description="episode i uses seed + i")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     out: str = Field("runs/rollout", description="run directory")
+    demo: bool = Field(
+        False,
+        description="the env's scripted solver plays every turn and, under sidequest, the env's hindsight "
+        "oracle answers the auxiliary thread: the reference (e.g. the least memory a strategy allows) "
+        "a policy is measured against",
+    )
 
     @model_validator(mode="after")
     def _recall_needs_its_eviction(self):
@@ -241,6 +247,7 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
             seeds,
             cfg.concurrency,
             advance,
+            demo=cfg.demo,
             evictor=cfg.evictor,
         )
     )
