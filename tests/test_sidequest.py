@@ -404,6 +404,7 @@ def test_a_demo_rollout_is_the_solver_and_the_oracle_the_floor_a_policy_is_measu
 
     sets = ["demo=true", "model.path=", "model.size=tiny", "episodes=2", "concurrency=2", "threads=1",
             "env.world_size=40", "env.min_hops=3", "env.max_hops=4", "rollout.max_turns=16"]  # fmt: skip
+
     def run(*more):
         return rollout(load_config(RolloutConfig, "configs/rollout/sidequest.toml", [*sets, *more]))
 
