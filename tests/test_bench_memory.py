@@ -56,6 +56,14 @@ def test_rows_run_resume_and_take_a_budget_from_another_row(tmp_path):
     stamp = (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns
     again = run_memory_bench(bench, only=["window"])  # read back, not run again; the others kept
     assert again == table and (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns == stamp
+    saved = tmp_path / "runs" / "window" / "config.json"
+    old = json.loads(saved.read_text())
+    saved.write_text(json.dumps({k: v for k, v in old.items() if k != "demo"}))  # before `demo` existed
+    assert run_memory_bench(bench, only=["window"]) == table  # its default: the same run, read back
+    saved.write_text(json.dumps(old | {"retired_field": 1}))  # a field since removed: not the same run
+    run_memory_bench(bench, only=["window"])
+    assert (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns != stamp
+    stamp = (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns
     run_memory_bench(bench, sets=["rollout.max_turns=2"], only=["window"])  # another config: run again
     assert (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns != stamp
 

@@ -14,7 +14,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compactrl.agent.batch import RolloutConfig, rollout
 from compactrl.config import load_config, read_toml
@@ -56,10 +56,18 @@ def load_bench(path: str | Path) -> MemoryBench:
     return MemoryBench.model_validate(read_toml(Path(path)))
 
 
+def _same_config(path: Path, cfg: RolloutConfig) -> bool:
+    """The folder's config, read as today's model (a field added since takes its default), is ``cfg``."""
+    try:
+        return path.exists() and RolloutConfig.model_validate_json(path.read_text()) == cfg
+    except ValidationError:  # written by a version whose fields differ: not the same run
+        return False
+
+
 def _run(cfg: RolloutConfig, progress=None) -> tuple[dict, list[dict]]:
     out = Path(cfg.out)
-    done, same = out / "summary.json", out / "config.json"
-    if not (done.exists() and same.exists() and json.loads(same.read_text()) == cfg.model_dump(mode="json")):
+    done = out / "summary.json"
+    if not (done.exists() and _same_config(out / "config.json", cfg)):
         rollout(cfg, progress)
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     return json.loads(done.read_text()), episodes
@@ -82,7 +90,7 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "malformed_calls_per_episode": sum(e["info"].get("malformed_calls", 0) for e in episodes) / n,
         "wall_s": s["wall_s"], "episodes_per_s": s["episodes_per_s"], "concurrency": cfg.concurrency,
         "peak_pool_kv_tokens": s["peak_pool_kv_tokens"], "preemptions": s["preemptions"],
-        "threads": cfg.threads, "model": cfg.model.path,
+        "threads": cfg.threads, "model": cfg.model.path, "demo": cfg.demo,
     }  # fmt: skip
     if s.get("aux_calls"):
         keys = (
@@ -155,8 +163,9 @@ def plot_memory(table: list[dict], path: Path) -> Path:
     from compactrl.plot import MODE_MARKERS
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in table:
-        ax.scatter(r["mean_peak_live_kv"], r["accuracy"], marker=MODE_MARKERS.get(r["mode"], "o"), s=40)
+    for r in table:  # the solver's reference rows (demo) in grey
+        ax.scatter(r["mean_peak_live_kv"], r["accuracy"], marker=MODE_MARKERS.get(r["mode"], "o"), s=40,
+                   color="grey" if r.get("demo") else None)  # fmt: skip
         ax.annotate(r["row"], (r["mean_peak_live_kv"], r["accuracy"]), fontsize=7, xytext=(4, 2),
                     textcoords="offset points")  # fmt: skip
     ax.set_xlabel("mean peak live KV per episode (tokens)")
