@@ -92,3 +92,13 @@ def test_shipped_bench_configs_are_valid(path):
         budget = ["evictor.budget=300"] if r.budget_from else []  # the bench sets it from the other row
         cfg = load_config(RolloutConfig, bench.base, [*r.set, *budget, "model.path="])
         assert cfg.episodes >= 100 and (cfg.evictor is not None) == any("evictor" in s for s in r.set)
+
+
+def test_bench_wide_overrides_apply_to_every_row_under_the_cli_and_the_rows_own(tmp_path):
+    rows = '[[row]]\nname = "a"\n[[row]]\nname = "b"\nset = ["rollout.max_turns=1"]\n'
+    path = bench_file(tmp_path, rows)
+    path.write_text('set = ["rollout.max_turns=2", "episodes=1"]\n' + path.read_text())
+    table = run_memory_bench(load_bench(path), sets=["concurrency=1"])
+    saved = {r: json.loads((tmp_path / "runs" / r / "config.json").read_text()) for r in ("a", "b")}
+    assert [saved[r]["rollout"]["max_turns"] for r in ("a", "b")] == [2, 1]
+    assert all(saved[r]["concurrency"] == 1 for r in ("a", "b")) and [r["episodes"] for r in table] == [1, 1]

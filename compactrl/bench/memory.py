@@ -36,6 +36,9 @@ class MemoryBench(BaseModel):
 
     base: str = Field(description="the rollout config every row starts from")
     out: str = Field(description="the rows' run folders go under this folder")
+    set: list[str] = Field(
+        [], description="--set overrides every row shares (then the CLI's, then the row's own)"
+    )
     results: str = Field(description="JSON file of the rows")
     plot: str | None = Field(None, description="PNG of accuracy against mean peak live KV")
     row: list[Row] = Field(min_length=1, description="the rows, in order ([[row]] tables)")
@@ -125,7 +128,7 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
             if r.name in kept:
                 rows[r.name] = kept[r.name]
             continue
-        extra = [*sets, *r.set, f"out={Path(bench.out) / r.name}"]
+        extra = [*bench.set, *sets, *r.set, f"out={Path(bench.out) / r.name}"]
         if r.budget_from:
             extra.append(f"evictor.budget={round(rows[r.budget_from]['mean_peak_live_kv'])}")
         cfg = load_config(RolloutConfig, Path(bench.base), extra)
