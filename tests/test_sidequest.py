@@ -5,7 +5,6 @@ oracle answers the auxiliary thread, both teacher-forced through the engine, so 
 scored by the engine and checked against the trainer's one-pass forward."""
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from compactrl.engine import Engine
 from compactrl.envs.browse import BrowseEnv
 from compactrl.models.loading import load_model
 from compactrl.models.tiny import write_tiny_model
+from compactrl.plot import load_metrics
 from compactrl.rl.forward import full_context, stream_logprobs
 from compactrl.trace import NO_CURSOR
 
@@ -42,10 +42,6 @@ def play(setup, mode, parallel=False, every=1, demo=True, seeds=SEEDS):
     strategy = build_strategy(SideQuestConfig(every=every, parallel=parallel)) if mode != "full" else None
     settings = RolloutSettings(max_tokens=64, max_turns=16)
     return asyncio.run(run_episodes(engine, fmt, make, strategy, mode, settings, seeds, 2, demo=demo))
-
-
-def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def logprob_gap(model, trace, view=None) -> float:
@@ -242,7 +238,7 @@ def test_the_sidequest_objective_learns_the_thread_and_stays_near_the_reference(
             "sidequest.kl=5.0", "checkpoint_every=6"]  # fmt: skip
     cfg = load_config(TrainConfig, "configs/sidequest/train.toml", sets)
     train(cfg)
-    rows = metrics(tmp_path)
+    rows = load_metrics(tmp_path)
     assert all(r["phase"] == "sidequest" and r["aux_samples"] > 0 and r["correct"] == 1.0 for r in rows)
     assert np.mean([r["aux_ce"] for r in rows[-3:]]) < 0.5 * np.mean([r["aux_ce"] for r in rows[:3]])
     assert rows[0]["main_kl"] < 1e-6 and all(r["main_kl"] >= 0 for r in rows)  # it starts at the reference
@@ -341,7 +337,7 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
             "model.size=tiny", "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lr=5e-2",
             "sidequest.kl=0", "sidequest.adapter=thread", "checkpoint_every=6"]  # fmt: skip
     train(load_config(TrainConfig, "configs/sidequest/train.toml", sets))
-    rows = metrics(tmp_path / "train")
+    rows = load_metrics(tmp_path / "train")
     assert np.mean([r["aux_ce"] for r in rows[-2:]]) < 0.7 * np.mean([r["aux_ce"] for r in rows[:2]])
     ckpt, base = tmp_path / "train" / "checkpoints" / "step_00000006", tmp_path / "train" / "model"
     roll = [f"out={tmp_path / 'roll'}", f"model.path={base}", f"strategy.thread_adapter={ckpt}", "episodes=2",
@@ -384,7 +380,7 @@ def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations
             "model.size=tiny", "env.world_size=40", "env.max_hops=3", "train.lora=", "train.lr=3e-3",
             "checkpoint_every=6"]  # fmt: skip
     train(load_config(TrainConfig, "configs/sidequest/main_deleted.toml", sets))
-    rows = metrics(tmp_path)
+    rows = load_metrics(tmp_path)
     assert [r["phase"] for r in rows] == ["sft"] * 6
     assert np.mean([r["loss"] for r in rows[-2:]]) < 0.7 * np.mean([r["loss"] for r in rows[:2]])
     assert len(seen) == 12 and not any(s.trace.meta.get("aux") for s in seen)
