@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.config import ConfigError, load_config, read_toml
+from compactrl.plot import load_metrics
 from compactrl.rl.checkpoint import resolve_checkpoint
 
 
@@ -147,7 +148,7 @@ def _step_totals(run_dir: Path) -> dict:
     """The run's generation and training seconds summed over its steps, and the mean tokens per
     rollout of its RL steps: distinct (``tokens``, what one stream holds) and fed again
     (``reprefilled_tokens``), whose ratio is the cost model's re-prefill overhead."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = load_metrics(run_dir)
     rl = [r for r in rows if r.get("phase") == "rl"]
     total = {
         k: sum(r.get(key, 0.0) for r in rows) for k, key in (("gen_s", "generate_s"), ("train_s", "train_s"))

@@ -53,6 +53,9 @@ def test_rows_run_resume_and_take_a_budget_from_another_row(tmp_path):
         json.loads((tmp_path / "rows.json").read_text()) == table and (tmp_path / "rows.png").stat().st_size
     )
     assert markdown(table).count("\n") == 4 and "(1.00x)" in markdown(table).splitlines()[2]
+    for r in table:  # no auxiliary threads: the episode holds and reads its main thread only
+        assert r["mean_peak_kv_with_threads"] == r["mean_peak_live_kv"]
+        assert r["kv_reads_with_threads_per_episode"] == r["kv_reads_per_episode"]
     stamp = (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns
     again = run_memory_bench(bench, only=["window"])  # read back, not run again; the others kept
     assert again == table and (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns == stamp

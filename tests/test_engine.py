@@ -145,6 +145,31 @@ def test_fork_shares_the_prefix_without_copying(tiny_lm):
     assert eng.kv_tokens_used() == 0 and not eng.segments
 
 
+def test_a_familys_footprint_counts_each_shared_token_once(tiny_lm):
+    """A session and its forks hold their shared prefix once: a prefix token leaves the footprint
+    when the last of them evicts it or closes, and the family's peak can exceed every member's."""
+    eng = engine(tiny_lm)
+    parent = eng.session("p")
+    parent.append(list(range(40)))
+    eng.run()
+    kid = parent.fork("k")
+    fp = parent.footprint
+    assert kid.footprint is fp and fp.live == 40
+    parent.evict([(3, 9)])
+    assert parent.live == 34 and fp.live == 40  # the kid still reads them
+    kid.evict([(3, 7)])
+    assert fp.live == 36  # 3..6 are gone from both; 7, 8 stay in the kid
+    parent.append([1, 2, 3, 4, 5])
+    kid.append([6, 7, 8])
+    eng.run()
+    assert fp.live == 36 + 5 + 3 and fp.peak == 44
+    assert max(parent.metrics.peak_live_kv, kid.metrics.peak_live_kv) == 40  # each alone: less
+    parent.close()
+    assert fp.live == kid.live == 36 + 3  # the prefix stays with the kid
+    kid.close()
+    assert fp.live == 0 and fp.peak == 44
+
+
 def test_fork_right_after_append_feeds_then_shares(tiny_lm):
     eng = engine(tiny_lm)
     s = eng.session()

@@ -74,7 +74,10 @@ def test_sequential_deletions_evict_whole_cursors_and_the_aux_tokens_stay_out(se
         assert NO_CURSOR not in gone and len(gone) == r.deleted_cursors > 0 and r.aux_parse_failures == 0
         for c in gone:  # a deleted cursor goes whole: its call and its output
             assert (t.evict_at[t.cursor == c] < len(t)).all()
-        assert r.peak_live_kv < f.peak_live_kv
+        assert r.peak_live_kv < f.peak_live_kv and f.peak_kv_with_threads == f.peak_live_kv
+        # the main thread waits while its thread runs: the episode's peak is its longest fork's
+        thread_peaks = [int((a.evict_at >= len(a)).sum()) for a in r.aux_traces]
+        assert r.peak_kv_with_threads == max(thread_peaks) > r.peak_live_kv and r.aux_kv_reads > 0
         for a in r.aux_traces:  # a fork: the main stream up to the boundary, then the thread's answer
             k = a.meta["fork_at"]
             assert np.array_equal(a.tokens[:k], t.tokens[:k]) and not a.trainable[:k].any()
@@ -105,6 +108,10 @@ def test_parallel_deletions_land_a_boundary_after_the_fork(setup):
     for r in results:
         (t,) = r.traces
         forks = sorted(a.meta["fork_at"] for a in r.aux_traces)
+        # both threads hold KV at once: the episode holds at least what each one does
+        assert r.peak_kv_with_threads >= max(
+            [r.peak_live_kv, *(int((a.evict_at >= len(a)).sum()) for a in r.aux_traces)]
+        )
         for e in set(t.evict_at[t.evict_at < len(t)].tolist()):
             assert any(f < e for f in forks) and e not in forks  # applied later, not at a fork point
             assert t.trainable[[f for f in range(forks[0], e)]].any()  # the main thread acted meanwhile
@@ -409,3 +416,5 @@ def test_a_demo_rollout_is_the_solver_and_the_oracle_the_floor_a_policy_is_measu
     assert full["accuracy"] == seq["accuracy"] == 1.0 and full["aux_calls"] == 0
     assert seq["deleted_cursors"] > 0 and seq["deletion_precision"] == seq["deletion_recall"] == 1.0
     assert seq["mean_peak_live_kv"] < full["mean_peak_live_kv"]
+    assert full["mean_peak_kv_with_threads"] == full["mean_peak_live_kv"] and full["aux_kv_reads"] == 0
+    assert seq["mean_peak_kv_with_threads"] > seq["mean_peak_live_kv"] and seq["aux_kv_reads"] > 0

@@ -185,7 +185,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
         "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
         "preemptions", "aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
-        "aux_unfinished", "aux_tokens")}  # fmt: skip
+        "aux_unfinished", "aux_tokens", "aux_kv_reads")}  # fmt: skip
     n = max(1, len(results))
     return {
         "episodes": len(results),
@@ -197,6 +197,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "mean_turns": mean("turns"),
         "peak_live_kv": max((r.peak_live_kv for r in results), default=0),
         "mean_peak_live_kv": mean("peak_live_kv"),
+        "mean_peak_kv_with_threads": mean("peak_kv_with_threads"),
         **total,
         "non_completion": {c: sum(r.non_completion == c for r in results) / n for c in NON_COMPLETION},
         # answered correctly, as the env says (info["correct"]; 0 for an env that never says)

@@ -92,8 +92,9 @@ class EpisodeResult:
     prefilled_tokens: int = 0  # engine-fed prompt tokens, re-prefill included
     reprefilled_tokens: int = 0
     predicted_reprefilled_tokens: int = 0
-    peak_live_kv: int = 0
-    kv_reads: int = 0
+    peak_live_kv: int = 0  # the main thread's
+    peak_kv_with_threads: int = 0  # the main thread's and its auxiliary threads' own tokens at once
+    kv_reads: int = 0  # the main thread's
     evicted_tokens: int = 0
     evictions: int = 0  # eviction calls (compactions in stream mode, a token evictor's)
     preemptions: int = 0
@@ -104,6 +105,7 @@ class EpisodeResult:
     aux_unknown_cursors: int = 0  # named cursors that were not open (never made, or deleted)
     aux_unfinished: int = 0  # threads not yet collected when the episode ended: they delete nothing
     aux_tokens: int = 0  # tokens the auxiliary threads generated (never in the main stream)
+    aux_kv_reads: int = 0  # the auxiliary threads' KV reads (the shared prefix included)
     truncated: bool = False
     at_position_limit: bool = False  # truncated because the stream reached the model's positions
     error: str | None = None
@@ -376,6 +378,7 @@ class Episode:
             r.aux_tokens += len(gen.tokens)
         except SessionError:  # no room (positions or pool) for the thread: it deletes nothing
             answer = ""
+        r.aux_kv_reads += child.metrics.kv_reads
         t = child.trace()
         child.close()
         t.trainable[:fork_at], t.logprobs[:fork_at] = False, np.nan
@@ -493,6 +496,7 @@ class Episode:
             seen.update(fed)
             r.prefilled_tokens += m.prefill_tokens
             r.peak_live_kv = max(r.peak_live_kv, m.peak_live_kv)
+            r.peak_kv_with_threads = max(r.peak_kv_with_threads, sess.footprint.peak)
             r.kv_reads += m.kv_reads
             r.evicted_tokens += m.evicted_tokens
             r.evictions += m.evictions

@@ -145,6 +145,8 @@ class Engine:
             parent._seg,
             parent._new_segment,
         )
+        child.footprint, child.keys = parent.footprint, list(parent.keys)
+        parent.footprint.share(parent._live_keys())
         child.drops = type(parent.drops)((e, list(idx)) for e, idx in parent.drops)
         child.pending_logits = None if parent.pending_logits is None else parent.pending_logits.clone()
         child.evictor = copy.deepcopy(parent.evictor)

@@ -77,6 +77,38 @@ class SessionMetrics:
     preemptions: int = 0
 
 
+class Footprint:
+    """The live KV of a session and its forks together, each shared token once: what a family of
+    threads holds (SideQuest: the main thread and its auxiliary thread) and its peak. A token
+    stays until the last session of the family holding it live evicts it or closes."""
+
+    def __init__(self):
+        self.readers: dict[int, int] = {}  # token key -> sessions of the family holding it live
+        self.keys = itertools.count()
+        self.peak = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.readers)
+
+    def new(self, n: int) -> list[int]:
+        keys = [next(self.keys) for _ in range(n)]
+        self.readers.update(dict.fromkeys(keys, 1))
+        self.peak = max(self.peak, len(self.readers))
+        return keys
+
+    def share(self, keys: Iterable[int]) -> None:
+        for k in keys:
+            self.readers[k] += 1
+
+    def drop(self, keys: Iterable[int]) -> None:
+        for k in keys:
+            if self.readers[k] == 1:
+                del self.readers[k]
+            else:
+                self.readers[k] -= 1
+
+
 class Session:
     """Create with :meth:`Engine.session`; then append / generate / evict / fork / close."""
 
@@ -102,6 +134,8 @@ class Session:
         self._seg, self._new_segment = 0, False
         self.live = 0  # live (not evicted) fed-or-unfed tokens
         self.metrics = SessionMetrics()
+        self.footprint = Footprint()  # shared with this session's forks
+        self.keys: list[int] = []  # each token's key in the footprint
         self.evictor: EvictorState | None = None  # a token evictor the engine runs (use_evictor)
         self.adapter_from: int | None = None  # gated adapters act from this stream index (a thread's own)
         self.admitted_at = 0  # scheduler tick of the last admission (LIFO preemption order)
@@ -212,6 +246,7 @@ class Session:
             self.evict_at[j] = T
         self.drops.append((T, idx))
         self.live -= len(idx)
+        self.footprint.drop(self.keys[j] for j in idx)
         self.metrics.evicted_tokens += len(idx)
         self.metrics.evictions += 1
 
@@ -242,6 +277,10 @@ class Session:
                 raise SessionError(f"session {self.id} is generating; wait for it before closing")
             self.engine.release(self)
             self.closed = True
+            self.footprint.drop(self._live_keys())
+
+    def _live_keys(self) -> list[int]:
+        return [k for k, e in zip(self.keys, self.evict_at, strict=True) if e is None]
 
     def trace(self) -> Trace:
         T = len(self.tokens)
@@ -290,6 +329,7 @@ class Session:
         self.cursor += [cursor] * n
         self.live += n
         self.metrics.peak_live_kv = max(self.metrics.peak_live_kv, self.live)
+        self.keys += self.footprint.new(n)
         if self.unfed:
             self.engine.wake(self)
 
