@@ -37,9 +37,10 @@ def make():
     return BrowseEnv(world_size=40, min_hops=3, max_hops=4)
 
 
-def play(setup, mode, parallel=False, every=1, demo=True, seeds=SEEDS):
+def play(setup, mode, parallel=False, every=1, demo=True, seeds=SEEDS, at="output"):
     engine, fmt, _ = setup
-    strategy = build_strategy(SideQuestConfig(every=every, parallel=parallel)) if mode != "full" else None
+    cfg = SideQuestConfig(every=every, parallel=parallel, at=at)
+    strategy = build_strategy(cfg) if mode != "full" else None
     settings = RolloutSettings(max_tokens=64, max_turns=16)
     return asyncio.run(run_episodes(engine, fmt, make, strategy, mode, settings, seeds, 2, demo=demo))
 
@@ -129,10 +130,12 @@ def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
 
 
 # ---- hindsight labels -------------------------------------------------------------------------------
-def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup):
+@pytest.mark.parametrize("at", ["output", "call"])
+def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at):
     """The labeller on a full-context solver trace, with D = what expired at earlier calls, builds
     the runner's sequential SideQuest forks token for token, mask for mask, trained tokens included;
-    so does it on the SideQuest stream itself (what earlier calls deleted is already out of it)."""
+    so does it on the SideQuest stream itself (what earlier calls deleted is already out of it);
+    forked after the tool's output or after the call, before its output."""
     import random
 
     from compactrl.rl.sidequest import hindsight_samples
@@ -140,10 +143,10 @@ def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup):
     _, fmt, _ = setup
     for every in (1, 2):
         full = play(setup, "full", every=every)
-        seq = play(setup, "stream", every=every)
+        seq = play(setup, "stream", every=every, at=at)
         for f, s in zip(full, seq, strict=True):
-            samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), split="history")
-            again = hindsight_samples(s.traces[0], fmt, every, random.Random(0), split="history")
+            samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), split="history", at=at)
+            again = hindsight_samples(s.traces[0], fmt, every, random.Random(0), split="history", at=at)
             assert len(samples) == len(again) == len(s.aux_traces) == s.aux_calls > 0
             for x, a in [*zip(samples, s.aux_traces, strict=True), *zip(again, s.aux_traces, strict=True)]:
                 assert np.array_equal(x.tokens, a.tokens) and np.array_equal(x.evict_at, a.evict_at)
@@ -169,13 +172,15 @@ def hand_made_trace():
 
 
 def test_last_use_expiry_and_calls_on_a_hand_made_trace():
-    from compactrl.compaction.sidequest import actions_of, aux_calls, boundary, last_use
+    from compactrl.compaction.sidequest import actions_of, aux_calls, boundary, fork_point, last_use
 
     t = hand_made_trace()
     acts = actions_of(t)
     assert last_use(acts) == {0: 2, 1: 3, 2: 4}  # read by the next action, cited by the answer
     assert aux_calls(4, 1) == [2, 3, 4] and aux_calls(4, 2) == [3] and aux_calls(4, 4) == []
     assert [boundary(t, a) for a in acts] == [6, 12, 18, 24]
+    assert [fork_point(t, acts, n) for n in (2, 3, 4)] == [12, 18, 24]  # after the output of n - 1
+    assert [fork_point(t, acts, n, "call") for n in (2, 3, 4)] == [9, 15, 21]  # after its call
     with pytest.raises(ValueError, match="no meta\\['action_facts'\\]"):
         actions_of(type(t).from_tokens([1, 2]))
 
@@ -300,6 +305,28 @@ def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_adv
 
 
 # ---- the thread adapter ------------------------------------------------------------------------------
+def test_a_memory_cost_prices_the_peak_into_the_advantage(tmp_path):
+    """RL's optional memory term: of two equally correct episodes of a group, the one that held
+    less KV (its threads' included) gets the higher advantage; without the term they tie."""
+    from compactrl.agent.rollout import EpisodeResult
+    from compactrl.config import ConfigError, load_config
+    from compactrl.rl.loop import TrainConfig, priced_rewards, step_advantages
+
+    results = [
+        EpisodeResult(0, 0, "browse", "stream", "sidequest", reward=w, peak_kv_with_threads=p)
+        for w, p in ((1, 300), (1, 500), (0, 300), (0, 500))
+    ]
+    sets = ["group_size=2", "model.size=tiny", "model.path=", "objective=rl", "sidequest.kl=0"]
+    for cost, want in ((0.0, [1.0, 1.0, 0.0, 0.0]), (0.5, [0.85, 0.75, -0.15, -0.25])):
+        cfg = load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, f"memory_cost={cost}"])
+        priced = priced_rewards(cfg, results)
+        assert np.allclose(priced, want)
+        adv = step_advantages(cfg, priced)
+        assert (adv[0] > adv[1] and adv[2] > adv[3]) if cost else np.allclose(adv, 0)
+    with pytest.raises(ConfigError, match="memory_cost prices the episode's peak KV"):
+        load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, "memory_cost=1", "advantage=gae"])
+
+
 def test_a_thread_adapter_acts_on_the_forks_only_and_the_trainer_replays_it(tmp_path):
     """Gated LoRA (sidequest.adapter = 'thread'): the main thread is the base model, the forks run
     the adapter over the KV the base wrote, and the one-pass trainer reproduces both (with a pool
@@ -404,6 +431,7 @@ def test_a_demo_rollout_is_the_solver_and_the_oracle_the_floor_a_policy_is_measu
     SideQuest, the env's oracle deletes exactly the expired cursors, below full context's peak."""
     from compactrl.agent.batch import RolloutConfig, rollout
     from compactrl.config import load_config
+    from compactrl.verify import verify_run
 
     sets = ["demo=true", "model.path=", "model.size=tiny", "episodes=2", "concurrency=2", "threads=1",
             "env.world_size=40", "env.min_hops=3", "env.max_hops=4", "rollout.max_turns=16"]  # fmt: skip
@@ -416,5 +444,13 @@ def test_a_demo_rollout_is_the_solver_and_the_oracle_the_floor_a_policy_is_measu
     assert full["accuracy"] == seq["accuracy"] == 1.0 and full["aux_calls"] == 0
     assert seq["deleted_cursors"] > 0 and seq["deletion_precision"] == seq["deletion_recall"] == 1.0
     assert seq["mean_peak_live_kv"] < full["mean_peak_live_kv"]
+    # forked after the call, the output the call was read from goes before the next one lands
+    call = run("strategy.every=1", "strategy.parallel=false", "strategy.at=call", f"out={tmp_path / 'call'}")
+    assert call["accuracy"] == 1.0 and call["deletion_precision"] == call["deletion_recall"] == 1.0
+    assert (
+        call["mean_peak_live_kv"] < seq["mean_peak_live_kv"]
+        and call["deleted_cursors"] == seq["deleted_cursors"]
+    )
+    assert verify_run(tmp_path / "call")["ok"]  # engine == trainer on the stream and its forks
     assert full["mean_peak_kv_with_threads"] == full["mean_peak_live_kv"] and full["aux_kv_reads"] == 0
     assert seq["mean_peak_kv_with_threads"] > seq["mean_peak_live_kv"] and seq["aux_kv_reads"] > 0

@@ -386,6 +386,13 @@ class Episode:
         r.aux_traces.append(t)
         return answer
 
+    async def _aux_call(self, ctx: Context) -> None:
+        """Start the auxiliary thread when it is due and none is in flight; sequential: wait for it."""
+        if self.aux is None and self.strategy.trigger(ctx):
+            self._aux_start(ctx.step)
+            if not self.strategy.plan.parallel:
+                await self._aux_collect(wait=True)
+
     async def _aux_collect(self, wait: bool = False) -> None:
         """At a main-thread step boundary: apply a finished auxiliary thread's deletions."""
         if self.aux is None or not (wait or self.aux.done()):
@@ -456,14 +463,14 @@ class Episode:
                 ctx = self._context(r.turns, since, action, incoming)
                 if self.sidequest:
                     await self._aux_collect()
+                    if self.strategy.plan.at == "call":  # the call is in, its output not yet
+                        await self._aux_call(ctx)
                 elif self.strategy is not None and self.strategy.trigger(ctx):
                     await self._compact(ctx)
                     since = 0
                 self._message(sid, "user", out.observation)
-                if self.sidequest and self.aux is None and self.strategy.trigger(ctx):
-                    self._aux_start(r.turns)
-                    if not self.strategy.plan.parallel:  # sequential: the main thread waits for it
-                        await self._aux_collect(wait=True)
+                if self.sidequest and self.strategy.plan.at == "output":
+                    await self._aux_call(ctx)
                 hint = out.max_tokens
         except _AtPositionLimit:
             r.truncated = r.at_position_limit = True

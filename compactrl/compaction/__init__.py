@@ -129,6 +129,12 @@ class SideQuestConfig(_Config):
         True, description="the main thread keeps acting while the auxiliary thread runs (its deletions "
         "apply at the next step boundary); false: the main thread waits for it (an ablation)"
     )  # fmt: skip
+    at: Literal["output", "call"] = Field(
+        "output", description="where the thread forks — output: after the tool's output lands (the "
+        "paper's turn boundary; the call and the output it reads are both held then); call: after the "
+        "call, before its output lands, so the output the call was read from can go before the next one "
+        "arrives (the tool runs meanwhile)"
+    )  # fmt: skip
     trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
     thread_adapter: str | None = Field(
@@ -177,6 +183,9 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(cfg.name, rule := DropUnreferenced(cfg.m), rule, params)
     if isinstance(cfg, SideQuestConfig):
         return Strategy(
-            cfg.name, AuxEvery(cfg.every), AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel), params
+            cfg.name,
+            AuxEvery(cfg.every),
+            AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel, cfg.at),
+            params,
         )
     raise TypeError(f"unknown strategy config {cfg!r}")

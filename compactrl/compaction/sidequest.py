@@ -69,6 +69,7 @@ class AuxThread:
     trigger: str
     max_tokens: int
     parallel: bool
+    at: str = "output"  # fork after the tool's output lands, or after the call ("call")
 
     def split(self, answer: str, live: set[int]) -> tuple[list[int] | None, list[int]]:
         """(live cursors to delete, named cursors that are not live); None: unparsable."""
@@ -124,8 +125,17 @@ def aux_calls(n_actions: int, every: int) -> list[int]:
 
 
 def boundary(trace: Trace, action: Action) -> int:
-    """Where the action's message starts in the stream (the thread forks there, before it)."""
+    """Where the action's message starts in the stream."""
     return int(np.flatnonzero(trace.turn == trace.turn[action.end])[0])
+
+
+def fork_point(trace: Trace, acts: list[Action], t: int, at: str = "output") -> int:
+    """Where the thread called before action ``t`` forks: where action ``t``'s message starts
+    (``output``: action ``t - 1``'s output is in), or where action ``t - 1``'s call ends (``call``:
+    its output is not in yet)."""
+    if at == "output":
+        return boundary(trace, acts[t - 1])
+    return int(np.flatnonzero(trace.turn > trace.turn[acts[t - 2].end])[0])
 
 
 def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:

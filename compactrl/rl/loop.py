@@ -125,6 +125,10 @@ class TrainConfig(BaseModel):
     )
     sidequest: SideQuestTrain = SideQuestTrain()
     rft_min_reward: float = Field(1.0, description="rft: rollouts scoring below this are not trained on")
+    memory_cost: float = Field(
+        0.0, ge=0, description="rl: an episode's advantage is computed from its reward minus this x its peak "
+        "KV with its auxiliary threads, in thousands of tokens (a price on memory; 0: the reward alone)"
+    )  # fmt: skip
     advantage: Literal["group", "loo", "gae"] = Field(
         "group",
         description="rl's baseline — group: reward minus the mean of its env seed's group (GRPO); loo: "
@@ -241,6 +245,11 @@ class TrainConfig(BaseModel):
                 "strategy.thread_adapter loads a trained thread adapter for rollouts; training makes "
                 "its own (objective = 'sidequest', sidequest.adapter = 'thread')"
             )
+        if self.memory_cost and (self.objective != "rl" or self.advantage == "gae"):
+            raise ValueError(
+                "memory_cost prices the episode's peak KV into its reward for objective = 'rl' with "
+                "advantage = 'group' or 'loo' (gae's rewards are per step); set memory_cost = 0"
+            )
         if self.advantage == "gae" and isinstance(self.strategy, SideQuestConfig):
             raise ValueError(
                 "advantage = 'gae' values the main thread only; SideQuest's auxiliary threads train "
@@ -264,6 +273,12 @@ class TrainConfig(BaseModel):
                 "rollout.temperature > 0, top_p = 1, top_k = 0 (the trainer's log-probs are untruncated)"
             )
         return self
+
+
+def priced_rewards(cfg: TrainConfig, results) -> np.ndarray:
+    """What rl's advantages are computed from: each episode's reward, less ``memory_cost`` per
+    thousand tokens of its peak KV (the main thread's and its auxiliary threads' together)."""
+    return np.array([r.reward - cfg.memory_cost * r.peak_kv_with_threads / 1000 for r in results])
 
 
 def step_advantages(cfg: TrainConfig, rewards: np.ndarray) -> np.ndarray:
@@ -356,7 +371,7 @@ def _sidequest_step(cfg: TrainConfig, engine, fmt: ChatFormat, trainer: Trainer,
     main = [r.traces[0] for r in results if r.reward >= 1.0 and r.error is None]
     labels = random.Random(f"sidequest/{cfg.seed}/{step}")  # the same split when resumed
     every, trigger = strategy.every, strategy.trigger
-    aux = [x for t in main for x in hindsight_samples(t, fmt, every, labels, sq.split, trigger)]
+    aux = [x for t in main for x in hindsight_samples(t, fmt, every, labels, sq.split, trigger, strategy.at)]
     out = {"step": step, "phase": "sidequest", "correct": len(main) / len(results), "aux_samples": len(aux)}
     if not aux:
         return out | _no_update()
@@ -597,7 +612,11 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
     if head is not None:
         samples = _gae_samples(cfg, engine.model, head, results)
     else:
-        adv = step_advantages(cfg, rewards) if cfg.objective == "rl" else np.zeros(len(results))
+        adv = (
+            step_advantages(cfg, priced_rewards(cfg, results))
+            if cfg.objective == "rl"
+            else np.zeros(len(results))
+        )
         samples = []
         for i, (r, a) in enumerate(zip(results, adv, strict=True)):
             if cfg.objective == "rft" and r.reward < cfg.rft_min_reward:
@@ -621,6 +640,7 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         "tokens": float(np.mean([r.tokens for r in results])),
         "compactions": float(np.mean([r.compactions for r in results])),
         "reprefilled_tokens": float(np.mean([r.reprefilled_tokens for r in results])),
+        "peak_kv": float(np.mean([r.peak_kv_with_threads for r in results])),  # with auxiliary threads
         **{k: v for k, v in stats.items() if k != "train_s"},
         "generate_s": t1 - t0,  # with a background sampler: the wait for its batch
         "train_s": stats["train_s"],

@@ -30,7 +30,7 @@ from compactrl.compaction.sidequest import (
     actions_of,
     aux_answer,
     aux_calls,
-    boundary,
+    fork_point,
     last_use,
 )
 from compactrl.trace import NO_CURSOR, Trace
@@ -51,13 +51,15 @@ def hindsight_samples(
     rng: random.Random,
     split: Literal["random", "history"] = "random",
     trigger: str = TRIGGER,
+    at: str = "output",
 ) -> list[Trace]:
     """One training sample per auxiliary call of a correct trace (one stream: full context or stream
-    mode; a re-prefill episode's segments are not one stream)."""
+    mode; a re-prefill episode's segments are not one stream), forked where the runner forks
+    (``at``: after the tool's output, or after the call, before it)."""
     acts = actions_of(trace)
     last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
     calls = aux_calls(len(acts), every)
-    at = {t: boundary(trace, acts[t - 1]) for t in calls}
+    at = {t: fork_point(trace, acts, t, at) for t in calls}
     first_expired = {c: min((t for t in calls if l < t), default=None) for c, l in last.items()}
     message, prompt = aux_prefix(fmt, trigger)
     stop = fmt.stop_ids[0]
