@@ -156,8 +156,10 @@ def markdown(table: list[dict]) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
 
     def vs_full(r: dict, key: str) -> str:
-        v = r.get(key)
-        return "-" if v is None else f"{v:.0f} ({v / full[key]:.2f}x)" if full.get(key) else f"{v:.0f}"
+        v, base = r.get(key), full.get(key)
+        if v is None:
+            return "-"
+        return f"{v:.0f} ({v / base:.2f}x)" if base else f"{v:.0f}"
 
     for r in table:
         nc = r["non_completion"]
