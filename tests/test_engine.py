@@ -145,6 +145,33 @@ def test_fork_shares_the_prefix_without_copying(tiny_lm):
     assert eng.kv_tokens_used() == 0 and not eng.segments
 
 
+def test_a_prefix_no_fork_reads_any_more_folds_back_into_its_session(tiny_lm):
+    """While a fork lives, parent and fork read the frozen prefix as a shared segment; once the fork
+    closes, the parent's next step folds it back into one row of its own (live entries only, no
+    recompute), so it decodes in the batched path again, and its log-probs still match."""
+    eng = engine(tiny_lm)
+    p = eng.session("p")
+    p.append(list(range(30)))
+    eng.run()
+    kid = p.fork("k")
+    kid.append([7, 8])
+    for i, s in enumerate((p, kid)):
+        s.generate(SamplingParams(max_tokens=5, seed=i, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    p.evict([(2, 5)])  # in the shared prefix, for the parent only
+    p.generate(SamplingParams(max_tokens=3, seed=2, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert len(p.chain) == 1 and len(eng.segments) == 1  # the kid still reads it: no fold
+    assert_matches_trainer(tiny_lm, [kid])
+    kid.close()
+    p.generate(SamplingParams(max_tokens=4, seed=3, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert p.chain == [] and not eng.segments and eng.kv.used[p.row] == p.live  # one row, no holes
+    assert_matches_trainer(tiny_lm, [p])
+    p.close()
+    assert eng.kv_tokens_used() == 0
+
+
 def test_a_familys_footprint_counts_each_shared_token_once(tiny_lm):
     """A session and its forks hold their shared prefix once: a prefix token leaves the footprint
     when the last of them evicts it or closes, and the family's peak can exceed every member's."""

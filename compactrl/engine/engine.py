@@ -180,6 +180,30 @@ class Engine:
         self.active.pop(s, None)
 
     # ---- KV bookkeeping --------------------------------------------------------------------
+    def live_parts(self, s: Session, chain=None) -> list[tuple[int, torch.Tensor]]:
+        """A resident session's live KV entries in stream order, as ``(row, entries)``: those of its
+        shared prefixes (``chain``, default all of them) first, then its own row's."""
+        parts = [
+            (seg.row, torch.nonzero(mask).squeeze(1)) for seg, mask in (s.chain if chain is None else chain)
+        ]
+        return parts + [(s.row, torch.nonzero(self.kv.valid[s.row, : self.kv.used[s.row]]).squeeze(1))]
+
+    def _unchain(self, s: Session) -> None:
+        """Fold the shared prefixes at the end of a session's chain that no other session reads any
+        more (their forks closed) back into one row of its own: a chained session attends segment
+        by segment, an unchained one decodes in the batched path."""
+        k = len(s.chain)
+        while k and s.chain[k - 1][0].refs == 1:
+            k -= 1
+        if s.row is None or k == len(s.chain):
+            return
+        row = self.kv.gather(self.live_parts(s, s.chain[k:]))
+        self.kv.release(s.row)
+        for seg, _ in s.chain[k:]:
+            self.kv.release(seg.row)
+            self.segments.discard(seg)
+        s.row, s.chain = row, s.chain[:k]
+
     def _apply_drops(self, s: Session) -> None:
         """Clear the KV of evictions that are due (fed == e); a non-resident session keeps them
         pending until its recompute has put those tokens back."""
@@ -301,6 +325,7 @@ class Engine:
         self.load_staged()
         for s in list(self.active):
             self._apply_drops(s)
+            self._unchain(s)
         ready = [s for s in self.active if s.generating and s.unfed == 0 and s.pending_logits is not None]
         if ready:
             self._sample(ready)

@@ -104,9 +104,7 @@ class EvictorState:
 def live_keys(engine: Engine, s: Session) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A resident session's live keys in stream order: their stream positions ``[N]`` and, per layer,
     ``[Hkv, N, D]`` (shared prefixes of a fork first, then its own row)."""
-    kv = engine.kv
-    parts = [(seg.row, torch.nonzero(mask).squeeze(1)) for seg, mask in s.chain]
-    parts.append((s.row, torch.nonzero(kv.valid[s.row, : kv.used[s.row]]).squeeze(1)))
+    kv, parts = engine.kv, engine.live_parts(s)
     pos = torch.cat([kv.pos[row, e] for row, e in parts]).cpu()
     keys = [torch.cat([kv.k[li][row][:, e] for row, e in parts], 1) for li in range(kv.n_layers)]
     return pos, keys

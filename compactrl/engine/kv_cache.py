@@ -106,6 +106,22 @@ class KVCache:
         self.used[row] += n
         return start
 
+    def gather(self, parts: list[tuple[int, torch.Tensor]]) -> int:
+        """A new row holding the given entries ``(row, entries)`` of other rows, in order, K/V and
+        stream index copied (no recompute). Used to fold a session's shared prefixes back into a
+        row of its own once no other session reads them."""
+        row = self.alloc()
+        at = self.append(row, sum(len(e) for _, e in parts))
+        for src, e in parts:
+            m = len(e)
+            for store in (self.k, self.v):
+                for t in store:
+                    t[row, :, at : at + m] = t[src].index_select(1, e)
+            self.pos[row, at : at + m] = self.pos[src].index_select(0, e)
+            self.valid[row, at : at + m] = True
+            at += m
+        return row
+
     def stream_index(self, row: int) -> torch.Tensor:
         """Stream index of every entry of ``row`` (sorted: entries are kept in stream order)."""
         return self.pos[row, : self.used[row]]
