@@ -37,9 +37,9 @@ def make():
     return BrowseEnv(world_size=40, min_hops=3, max_hops=4)
 
 
-def play(setup, mode, parallel=False, every=1, demo=True, seeds=SEEDS, at="output"):
+def play(setup, mode, parallel=False, every=1, demo=True, seeds=SEEDS, **sidequest):
     engine, fmt, _ = setup
-    cfg = SideQuestConfig(every=every, parallel=parallel, at=at)
+    cfg = SideQuestConfig(every=every, parallel=parallel, **sidequest)
     strategy = build_strategy(cfg) if mode != "full" else None
     settings = RolloutSettings(max_tokens=64, max_turns=16)
     return asyncio.run(run_episodes(engine, fmt, make, strategy, mode, settings, seeds, 2, demo=demo))
@@ -117,6 +117,31 @@ def test_parallel_deletions_land_a_boundary_after_the_fork(setup):
             assert any(f < e for f in forks) and e not in forks  # applied later, not at a fork point
             assert t.trainable[[f for f in range(forks[0], e)]].any()  # the main thread acted meanwhile
         assert logprob_gap(model, t) < 5e-5
+
+
+@pytest.mark.parametrize("at", ["output", "call"])
+def test_keep_unread_never_deletes_an_output_no_action_has_read(setup, monkeypatch, at):
+    """A thread that names every open cursor: with keep_unread the output of the action it was
+    called after survives (counted), so every cursor outlives the action after the one that made
+    it; without, that output goes before any action read it (the negative control)."""
+    from compactrl.compaction.sidequest import actions_of
+
+    monkeypatch.setattr(BrowseEnv, "demo_deletions", lambda self, live: list(live))
+
+    def read_before_deleted(r) -> bool:
+        (t,) = r.traces
+        acts = actions_of(t)
+        for a, after in zip(acts, acts[1:]):
+            gone = t.evict_at[t.cursor == a.cursor] if a.cursor is not None else np.array([])
+            if len(gone) and gone.min() <= after.end:
+                return False
+        return True
+
+    kept = play(setup, "stream", keep_unread=True, at=at)
+    bare = play(setup, "stream", at=at)
+    for k, b in zip(kept, bare, strict=True):
+        assert k.aux_kept_unread == k.aux_calls > 0 and b.aux_kept_unread == 0
+        assert read_before_deleted(k) and not read_before_deleted(b)
 
 
 def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):

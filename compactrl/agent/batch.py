@@ -185,7 +185,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
         "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
         "preemptions", "aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
-        "aux_unfinished", "aux_tokens", "aux_kv_reads")}  # fmt: skip
+        "aux_unfinished", "aux_tokens", "aux_kv_reads", "aux_kept_unread")}  # fmt: skip
     n = max(1, len(results))
     return {
         "episodes": len(results),

@@ -106,6 +106,7 @@ class EpisodeResult:
     aux_unfinished: int = 0  # threads not yet collected when the episode ended: they delete nothing
     aux_tokens: int = 0  # tokens the auxiliary threads generated (never in the main stream)
     aux_kv_reads: int = 0  # the auxiliary threads' KV reads (the shared prefix included)
+    aux_kept_unread: int = 0  # keep_unread: named outputs no action had read yet, not deleted
     truncated: bool = False
     at_position_limit: bool = False  # truncated because the stream reached the model's positions
     error: str | None = None
@@ -179,6 +180,7 @@ class Episode:
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
         self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
         self.aux: asyncio.Task | None = None  # the auxiliary thread in flight (SideQuest)
+        self.aux_unread: set[int] = set()  # its call's cursors no action had read yet
         self.action_log: list[tuple[int, list]] = []  # (session, [end, cursor, refs, tool]) per action
 
     # ---- stream building ------------------------------------------------------------------------
@@ -353,6 +355,9 @@ class Episode:
         )  # fmt: skip
         self.messages += 1
         r.aux_calls += 1
+        self.aux_unread = {
+            c for c, k in self.cursors.items() if k["last_used"] == action and not k["referenced"]
+        }
         if self.demo:  # the env's memory oracle writes the answer, teacher-forced
             live = sorted(self._live_cursors())
             info = [
@@ -399,9 +404,13 @@ class Episode:
             return
         answer, self.aux = await self.aux, None
         r, live = self.result, self._live_cursors()
-        delete, unknown = self.strategy.plan.split(answer, set(live))
+        plan = self.strategy.plan
+        delete, unknown = plan.split(answer, set(live))
         r.aux_parse_failures += delete is None
         r.aux_unknown_cursors += len(unknown)
+        if delete and plan.keep_unread:
+            r.aux_kept_unread += len(set(delete) & self.aux_unread)
+            delete = [c for c in delete if c not in self.aux_unread]
         if delete:
             r.deleted_cursors += len(delete)
             await self._delete({live[c] for c in delete})

@@ -110,6 +110,7 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
             "aux_unknown_cursors",
             "aux_unfinished",
             "aux_tokens",
+            "aux_kept_unread",
         )
         keys += ("deletion_precision", "deletion_recall")
         row |= {k: s.get(k) for k in keys}  # None: a row run before the counter existed

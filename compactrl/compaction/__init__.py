@@ -135,6 +135,11 @@ class SideQuestConfig(_Config):
         "call, before its output lands, so the output the call was read from can go before the next one "
         "arrives (the tool runs meanwhile)"
     )  # fmt: skip
+    keep_unread: bool = Field(
+        False, description="an answer naming the tool output of the action the thread was called "
+        "after does not delete it (counted: aux_kept_unread): no action has read it yet, so the "
+        "hindsight labels never expire it"
+    )  # fmt: skip
     trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
     thread_adapter: str | None = Field(
@@ -185,7 +190,7 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(
             cfg.name,
             AuxEvery(cfg.every),
-            AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel, cfg.at),
+            AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel, cfg.at, cfg.keep_unread),
             params,
         )
     raise TypeError(f"unknown strategy config {cfg!r}")

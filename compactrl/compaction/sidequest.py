@@ -70,6 +70,7 @@ class AuxThread:
     max_tokens: int
     parallel: bool
     at: str = "output"  # fork after the tool's output lands, or after the call ("call")
+    keep_unread: bool = False  # the output of the action the thread was called after is never deleted
 
     def split(self, answer: str, live: set[int]) -> tuple[list[int] | None, list[int]]:
         """(live cursors to delete, named cursors that are not live); None: unparsable."""
