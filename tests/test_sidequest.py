@@ -119,6 +119,43 @@ def test_parallel_deletions_land_a_boundary_after_the_fork(setup):
         assert logprob_gap(model, t) < 5e-5
 
 
+@pytest.mark.parametrize("mode", ["stream", "reprefill"])
+def test_keep_calls_deletes_a_cursors_output_and_keeps_its_call(setup, mode):
+    """keep_calls: the thread deletes what it would delete whole, but only the tool outputs go; the
+    calls stay in the main thread (stream: not evicted; reprefill: rendered again), engine ==
+    trainer; what stays live is the whole deletion's plus the kept calls."""
+    _, fmt, model = setup
+    whole = play(setup, "stream")
+    results = play(setup, mode, keep_calls=True)
+    for r, w in zip(results, whole, strict=True):
+        assert r.reward == 1.0 and r.deleted_cursors == w.deleted_cursors > 0
+        assert max(logprob_gap(model, x) for x in r.traces + r.aux_traces) < 5e-5
+        if mode == "reprefill":  # the last segment holds every call and no deleted output
+            last, (s,) = r.traces[-1], w.traces
+            gone = set(s.cursor[s.evict_at < len(s)].tolist())
+            said = [x.tokens[np.array(x.role) == "assistant"].tolist() for x in (last, s)]
+            assert fmt.tokenizer.decode(said[0]) == fmt.tokenizer.decode(said[1])
+            assert len(last) < len(s) and gone
+            continue
+        (t,), role = r.traces, np.array(r.traces[0].role)
+        assert np.array_equal(t.tokens, w.traces[0].tokens)
+        gone = set(t.cursor[t.evict_at < len(t)].tolist())
+        assert gone == set(w.traces[0].cursor[w.traces[0].evict_at < len(t)].tolist())
+        for c in gone:
+            assert (t.evict_at[(t.cursor == c) & (role == "user")] < len(t)).all()  # the output went
+            assert (t.evict_at[(t.cursor == c) & (role == "assistant")] == len(t)).all()  # the call stayed
+        calls = sum(int(((t.cursor == c) & (role == "assistant")).sum()) for c in gone)
+        live, whole_live = (int((x.evict_at == len(x)).sum()) for x in (t, w.traces[0]))
+        assert live == whole_live + calls and r.peak_live_kv >= w.peak_live_kv  # the calls cost their tokens
+        assert logprob_gap(model, t, full_context(t)) > 1e-3  # negative control
+
+
+def test_keep_calls_forked_after_the_call_needs_keep_unread():
+    with pytest.raises(ValueError, match="keep_calls with at = 'call' needs keep_unread"):
+        SideQuestConfig(keep_calls=True, at="call")
+    assert SideQuestConfig(keep_calls=True, at="call", keep_unread=True).keep_calls
+
+
 @pytest.mark.parametrize("at", ["output", "call"])
 def test_keep_unread_never_deletes_an_output_no_action_has_read(setup, monkeypatch, at):
     """A thread that names every open cursor: with keep_unread the output of the action it was
@@ -155,23 +192,25 @@ def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
 
 
 # ---- hindsight labels -------------------------------------------------------------------------------
-@pytest.mark.parametrize("at", ["output", "call"])
-def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at):
+@pytest.mark.parametrize("at, keep_calls", [(a, k) for k in (False, True) for a in ("output", "call")])
+def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at, keep_calls):
     """The labeller on a full-context solver trace, with D = what expired at earlier calls, builds
     the runner's sequential SideQuest forks token for token, mask for mask, trained tokens included;
     so does it on the SideQuest stream itself (what earlier calls deleted is already out of it);
-    forked after the tool's output or after the call, before its output."""
+    forked after the tool's output or after the call, before its output; D deleted whole or
+    (keep_calls) its outputs only."""
     import random
 
     from compactrl.rl.sidequest import hindsight_samples
 
     _, fmt, _ = setup
+    label = dict(split="history", at=at, keep_calls=keep_calls)
     for every in (1, 2):
         full = play(setup, "full", every=every)
-        seq = play(setup, "stream", every=every, at=at)
+        seq = play(setup, "stream", every=every, at=at, keep_calls=keep_calls, keep_unread=keep_calls)
         for f, s in zip(full, seq, strict=True):
-            samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), split="history", at=at)
-            again = hindsight_samples(s.traces[0], fmt, every, random.Random(0), split="history", at=at)
+            samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), **label)
+            again = hindsight_samples(s.traces[0], fmt, every, random.Random(0), **label)
             assert len(samples) == len(again) == len(s.aux_traces) == s.aux_calls > 0
             for x, a in [*zip(samples, s.aux_traces, strict=True), *zip(again, s.aux_traces, strict=True)]:
                 assert np.array_equal(x.tokens, a.tokens) and np.array_equal(x.evict_at, a.evict_at)
@@ -301,6 +340,12 @@ def test_deletion_scores_against_the_hindsight_labels(setup):
             x.meta["named"] = list(range(20))
         g = deletion_scores(r.traces[0], greedy)
         assert g["correct"] == s["correct"] and g["named"] > g["correct"]
+    for r in play(setup, "stream", keep_calls=True):  # a kept call does not hold its cursor open
+        s = deletion_scores(r.traces[0], r.aux_traces)
+        assert s["named"] == s["expired"] == s["correct"] == r.deleted_cursors > 0
+        for x in r.aux_traces:
+            x.meta["keep_calls"] = False  # negative control: judged by the calls, deleted cursors look open
+        assert deletion_scores(r.traces[0], r.aux_traces)["expired"] > s["expired"]
 
 
 def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_advantage(tmp_path):

@@ -314,12 +314,14 @@ class Episode:
                 self._message(sid, "user", decision.resume)
         await self._delete(gone | {AUX})
 
-    async def _delete(self, gone: set[int]) -> None:
-        """Delete steps (and a request's pieces): evict them in place, or re-prefill the rest."""
+    async def _delete(self, gone: set[int], outputs_only: bool = False) -> None:
+        """Delete steps (and a request's pieces): evict them in place, or re-prefill the rest.
+        ``outputs_only``: their tool outputs go, their calls stay as steps without a cursor."""
         for sid in gone:
-            self.kinds.pop(sid, None)
-        dropped = [p for p in self.pieces if p.owner in gone]
-        self.pieces = [p for p in self.pieces if p.owner not in gone]
+            (self.cursor_of if outputs_only else self.kinds).pop(sid, None)
+        drop = lambda p: p.owner in gone and (not outputs_only or self.session.role[p.start] == "user")  # noqa: E731
+        dropped = [p for p in self.pieces if drop(p)]
+        self.pieces = [p for p in self.pieces if not drop(p)]
         self.result.compactions += 1
         if self.mode == "stream":
             live = [j for p in dropped for j in self._live(p)]
@@ -387,7 +389,8 @@ class Episode:
         t = child.trace()
         child.close()
         t.trainable[:fork_at], t.logprobs[:fork_at] = False, np.nan
-        t.meta = {"aux": True, "action": action, "fork_at": fork_at, "named": parse_deletions(answer)}
+        t.meta = {"aux": True, "action": action, "fork_at": fork_at, "named": parse_deletions(answer),
+                  "keep_calls": self.strategy.plan.keep_calls}  # fmt: skip
         r.aux_traces.append(t)
         return answer
 
@@ -413,7 +416,7 @@ class Episode:
             delete = [c for c in delete if c not in self.aux_unread]
         if delete:
             r.deleted_cursors += len(delete)
-            await self._delete({live[c] for c in delete})
+            await self._delete({live[c] for c in delete}, outputs_only=plan.keep_calls)
 
     def _role(self, p: _Piece) -> str:
         return self.sessions[-1].role[p.start] if p.tokens else "user"

@@ -140,12 +140,23 @@ class SideQuestConfig(_Config):
         "after does not delete it (counted: aux_kept_unread): no action has read it yet, so the "
         "hindsight labels never expire it"
     )  # fmt: skip
+    keep_calls: bool = Field(
+        False, description="a deleted cursor loses its tool output only; the call that made it stays "
+        "(a ~15-token record of each hop the policy can count); false: the call goes with it"
+    )  # fmt: skip
     trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
     thread_adapter: str | None = Field(
         None, description="a checkpoint folder of a sidequest.adapter = 'thread' fine-tune: its LoRA "
         "adapters act on the auxiliary thread's tokens only, the main thread stays model.path"
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _calls_need_an_output(self):
+        if self.keep_calls and self.at == "call" and not self.keep_unread:
+            raise ValueError("keep_calls with at = 'call' needs keep_unread = true: forked after the "
+                             "call, the newest cursor has no output yet to delete")  # fmt: skip
+        return self
 
 
 StrategyConfig = Annotated[
@@ -190,7 +201,7 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(
             cfg.name,
             AuxEvery(cfg.every),
-            AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel, cfg.at, cfg.keep_unread),
+            AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel, cfg.at, cfg.keep_unread, cfg.keep_calls),
             params,
         )
     raise TypeError(f"unknown strategy config {cfg!r}")

@@ -71,6 +71,7 @@ class AuxThread:
     parallel: bool
     at: str = "output"  # fork after the tool's output lands, or after the call ("call")
     keep_unread: bool = False  # the output of the action the thread was called after is never deleted
+    keep_calls: bool = False  # a deleted cursor's output goes, the call that made it stays
 
     def split(self, answer: str, live: set[int]) -> tuple[list[int] | None, list[int]]:
         """(live cursors to delete, named cursors that are not live); None: unparsable."""
@@ -139,6 +140,19 @@ def fork_point(trace: Trace, acts: list[Action], t: int, at: str = "output") -> 
     return int(np.flatnonzero(trace.turn > trace.turn[acts[t - 2].end])[0])
 
 
+def deleted_tokens(trace: Trace, cursor: int, keep_calls: bool = False) -> np.ndarray:
+    """The tokens a deletion of ``cursor`` removes: its call and its output, or (``keep_calls``) its
+    output only (the tool's user message)."""
+    mine = trace.cursor == cursor
+    return mine & (np.asarray(trace.role) == "user") if keep_calls else mine
+
+
+def live_at(trace: Trace, cursors, b: int, keep_calls: bool = False) -> list[int]:
+    """The ``cursors`` a thread forked at ``b`` sees open: some token a deletion would remove is
+    in before ``b`` and not evicted by then."""
+    return [c for c in cursors if (trace.evict_at[:b][deleted_tokens(trace, c, keep_calls)[:b]] >= b).any()]
+
+
 def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:
     """The auxiliary threads' answers against the hindsight labels of the episode they ran in: per
     call (fork before action ``t``), the cursors named vs the expired ones live at the fork.
@@ -148,7 +162,7 @@ def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:
     out = {"calls": 0, "named": 0, "expired": 0, "correct": 0}
     for x in aux:
         t, b, named = x.meta["action"] + 1, x.meta["fork_at"], set(x.meta.get("named") or ())
-        live = {c for c, a in made.items() if a.end < b and main.evict_at[a.end] >= b}  # as the thread saw
+        live = set(live_at(main, made, b, x.meta.get("keep_calls", False)))  # as the thread saw
         expired = {c for c in live if last[c] < t}
         named &= live  # a cursor that was not open deletes nothing (the runner counts it apart)
         out["calls"] += 1

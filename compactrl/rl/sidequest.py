@@ -30,8 +30,10 @@ from compactrl.compaction.sidequest import (
     actions_of,
     aux_answer,
     aux_calls,
+    deleted_tokens,
     fork_point,
     last_use,
+    live_at,
 )
 from compactrl.trace import NO_CURSOR, Trace
 
@@ -52,10 +54,12 @@ def hindsight_samples(
     split: Literal["random", "history"] = "random",
     trigger: str = TRIGGER,
     at: str = "output",
+    keep_calls: bool = False,
 ) -> list[Trace]:
     """One training sample per auxiliary call of a correct trace (one stream: full context or stream
     mode; a re-prefill episode's segments are not one stream), forked where the runner forks
-    (``at``: after the tool's output, or after the call, before it)."""
+    (``at``: after the tool's output, or after the call, before it); ``keep_calls``: a cursor of
+    ``D`` loses its output only, as the runner deletes then."""
     acts = actions_of(trace)
     last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
     calls = aux_calls(len(acts), every)
@@ -66,7 +70,7 @@ def hindsight_samples(
     samples = []
     for t in calls:
         b = at[t]
-        live = [c for c in sorted(made) if made[c].end < b and trace.evict_at[made[c].end] >= b]
+        live = live_at(trace, sorted(made), b, keep_calls)
         expired = [c for c in live if last[c] < t]
         if split == "history":
             gone = [c for c in expired if first_expired[c] < t]
@@ -80,7 +84,7 @@ def hindsight_samples(
         # evicted before the call stays evicted; at it or later (this call's own deletions) is live here
         ev = np.r_[np.where(trace.evict_at[:b] < b, trace.evict_at[:b], T), np.full(len(tail), T)]
         for c in gone:  # deleted at the call it first expired at, as the thread would have
-            ev[:b][(trace.cursor[:b] == c) & (ev[:b] == T)] = at[first_expired[c]]
+            ev[:b][deleted_tokens(trace, c, keep_calls)[:b] & (ev[:b] == T)] = at[first_expired[c]]
         turn = int(trace.turn[b])  # the trigger takes the turn the action would have, as in the runner
         samples.append(Trace.from_tokens(
             np.r_[trace.tokens[:b], tail], evict_at=ev,
