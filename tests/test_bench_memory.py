@@ -71,6 +71,20 @@ def test_rows_run_resume_and_take_a_budget_from_another_row(tmp_path):
     assert (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns != stamp
 
 
+def test_an_only_run_keeps_the_rows_a_parallel_run_wrote_meanwhile(tmp_path):
+    bench = load_bench(bench_file(tmp_path, ROWS))
+    first = run_memory_bench(bench, only=["full"])
+    results = tmp_path / "rows.json"
+
+    def meanwhile(n):  # another --only run finishes while this one plays its episodes
+        results.write_text(json.dumps(first + [dict(first[0], row="h2o_at_full", accuracy=0.5)]))
+        return lambda: None
+
+    table = run_memory_bench(bench, only=["window"], progress=meanwhile)
+    assert [r["row"] for r in table] == ["full", "window", "h2o_at_full"] and table[2]["accuracy"] == 0.5
+    assert json.loads(results.read_text()) == table
+
+
 def test_bad_bench_configs_are_refused_by_name(tmp_path):
     with pytest.raises(ValidationError, match="row 'a' appears twice"):
         load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\n[[row]]\nname = "a"\n'))

@@ -120,7 +120,7 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
 def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] | None = None,
                      progress=None) -> list[dict]:  # fmt: skip
     """Run (or read back) every row; ``only`` runs just those rows (and the rows they take a
-    budget from), keeping the other rows already in ``results``."""
+    budget from), keeping the other rows in ``results`` as they are when this run ends."""
     wanted = set(only or [r.name for r in bench.row])
     for r in reversed(bench.row):
         if r.name in wanted and r.budget_from:
@@ -128,20 +128,16 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
     unknown = set(only or []) - {r.name for r in bench.row}
     if unknown:
         raise ValueError(f"--only {sorted(unknown)}: no such row; rows: {[r.name for r in bench.row]}")
-    results = Path(bench.results)
-    kept = {r["row"]: r for r in json.loads(results.read_text())} if results.exists() and only else {}
     rows: dict[str, dict] = {}
-    for r in bench.row:
-        if r.name not in wanted:
-            if r.name in kept:
-                rows[r.name] = kept[r.name]
-            continue
+    for r in (r for r in bench.row if r.name in wanted):
         extra = [*bench.set, *sets, *r.set, f"out={Path(bench.out) / r.name}"]
         if r.budget_from:
             extra.append(f"evictor.budget={round(rows[r.budget_from]['mean_peak_live_kv'])}")
         cfg = load_config(RolloutConfig, Path(bench.base), extra)
         rows[r.name] = _row(r.name, cfg, *_run(cfg, progress))
-    table = list(rows.values())
+    results = Path(bench.results)  # read now, not at the start: a parallel --only run may have written
+    kept = {r["row"]: r for r in json.loads(results.read_text())} if results.exists() and only else {}
+    table = [rows.get(r.name) or kept[r.name] for r in bench.row if r.name in rows or r.name in kept]
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(table, indent=1) + "\n")
     if bench.plot:
