@@ -178,12 +178,15 @@ def plot_memory(table: list[dict], path: Path) -> Path:
 
     from compactrl.plot import MODE_MARKERS
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in table:  # the solver's reference rows (demo) in grey
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    colors = [c for i, c in enumerate(plt.cm.tab10.colors) if i != 7]  # grey is the solver's (demo rows)
+    for i, r in enumerate(table, 1):  # numbered, the names in the legend: close points stay legible
+        color = "grey" if r.get("demo") else colors[i % len(colors)]
         ax.scatter(r["mean_peak_live_kv"], r["accuracy"], marker=MODE_MARKERS.get(r["mode"], "o"), s=40,
-                   color="grey" if r.get("demo") else None)  # fmt: skip
-        ax.annotate(r["row"], (r["mean_peak_live_kv"], r["accuracy"]), fontsize=7, xytext=(4, 2),
+                   color=color, label=f"{i} {r['row']}")  # fmt: skip
+        ax.annotate(str(i), (r["mean_peak_live_kv"], r["accuracy"]), fontsize=7, xytext=(4, 2),
                     textcoords="offset points")  # fmt: skip
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     ax.set_xlabel("mean peak live KV per episode (tokens)")
     ax.set_ylabel(f"accuracy ({table[0]['episodes']} held-out questions)")
     ax.set_title("accuracy against memory (circles stream, squares reprefill, diamond full)", fontsize=9)
