@@ -319,7 +319,10 @@ class Episode:
         ``outputs_only``: their tool outputs go, their calls stay as steps without a cursor."""
         for sid in gone:
             (self.cursor_of if outputs_only else self.kinds).pop(sid, None)
-        drop = lambda p: p.owner in gone and (not outputs_only or self.session.role[p.start] == "user")  # noqa: E731
+
+        def drop(p: _Piece) -> bool:
+            return p.owner in gone and (not outputs_only or self.session.role[p.start] == "user")
+
         dropped = [p for p in self.pieces if drop(p)]
         self.pieces = [p for p in self.pieces if not drop(p)]
         self.result.compactions += 1

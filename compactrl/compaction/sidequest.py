@@ -140,17 +140,17 @@ def fork_point(trace: Trace, acts: list[Action], t: int, at: str = "output") -> 
     return int(np.flatnonzero(trace.turn > trace.turn[acts[t - 2].end])[0])
 
 
-def deleted_tokens(trace: Trace, cursor: int, keep_calls: bool = False) -> np.ndarray:
-    """The tokens a deletion of ``cursor`` removes: its call and its output, or (``keep_calls``) its
-    output only (the tool's user message)."""
-    mine = trace.cursor == cursor
-    return mine & (np.asarray(trace.role) == "user") if keep_calls else mine
+def deletable(trace: Trace, keep_calls: bool = False) -> np.ndarray:
+    """The tokens a cursor's deletion removes, of those labelled with it: its call and its output,
+    or (``keep_calls``) its output only (the tool's user message)."""
+    return np.asarray(trace.role) == "user" if keep_calls else np.ones(len(trace), dtype=bool)
 
 
 def live_at(trace: Trace, cursors, b: int, keep_calls: bool = False) -> list[int]:
     """The ``cursors`` a thread forked at ``b`` sees open: some token a deletion would remove is
     in before ``b`` and not evicted by then."""
-    return [c for c in cursors if (trace.evict_at[:b][deleted_tokens(trace, c, keep_calls)[:b]] >= b).any()]
+    held = (trace.evict_at[:b] >= b) & deletable(trace, keep_calls)[:b]
+    return [c for c in cursors if (held & (trace.cursor[:b] == c)).any()]
 
 
 def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:

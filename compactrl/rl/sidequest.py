@@ -30,7 +30,7 @@ from compactrl.compaction.sidequest import (
     actions_of,
     aux_answer,
     aux_calls,
-    deleted_tokens,
+    deletable,
     fork_point,
     last_use,
     live_at,
@@ -67,6 +67,7 @@ def hindsight_samples(
     first_expired = {c: min((t for t in calls if l < t), default=None) for c, l in last.items()}
     message, prompt = aux_prefix(fmt, trigger)
     stop = fmt.stop_ids[0]
+    removed = deletable(trace, keep_calls)
     samples = []
     for t in calls:
         b = at[t]
@@ -84,7 +85,7 @@ def hindsight_samples(
         # evicted before the call stays evicted; at it or later (this call's own deletions) is live here
         ev = np.r_[np.where(trace.evict_at[:b] < b, trace.evict_at[:b], T), np.full(len(tail), T)]
         for c in gone:  # deleted at the call it first expired at, as the thread would have
-            ev[:b][deleted_tokens(trace, c, keep_calls)[:b] & (ev[:b] == T)] = at[first_expired[c]]
+            ev[:b][(trace.cursor[:b] == c) & removed[:b] & (ev[:b] == T)] = at[first_expired[c]]
         turn = int(trace.turn[b])  # the trigger takes the turn the action would have, as in the runner
         samples.append(Trace.from_tokens(
             np.r_[trace.tokens[:b], tail], evict_at=ev,
