@@ -459,8 +459,69 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
     for bad, match in (("sidequest.kl=500", "set sidequest.kl = 0"), ("train.lora=", "set train.lora")):
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, bad])
-    with pytest.raises(ValueError, match="thread_adapter loads a trained"):
+    with pytest.raises(ValueError, match="objective 'sidequest' trains its own thread adapter"):
         load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, f"strategy.thread_adapter={ckpt}"])
+
+
+def _random_adapter(model, name: str, seed: int) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n and f".{name}." in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed + len(n)))
+
+
+def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
+    """Item 6 on the thread adapter: the policy's own LoRA acts on every token, the frozen thread
+    adapter on the forks' tokens as well; the one-pass trainer replays both, the policy's merged
+    checkpoint leaves the thread adapter out, and an RL step moves the policy, never the thread."""
+    from safetensors.torch import load_file, save_file
+
+    from compactrl.config import ConfigError, load_config
+    from compactrl.models.lora import THREAD, Adapters, LoraSettings, add_lora, load_thread_adapter, merged_state_dict
+    from compactrl.rl.loop import TrainConfig, train
+
+    folder, thread = write_tiny_model(tmp_path / "m"), tmp_path / "thread"
+    model = load_model(folder)
+    add_lora(model, LoraSettings(r=4))
+    _random_adapter(model, "default", 0)
+    thread.mkdir()
+    adapters = Adapters(model, LoraSettings(r=4))
+    save_file(adapters.state_dict(), thread / "lora.safetensors", metadata=adapters.metadata)
+
+    engine = Engine.from_pretrained(folder)
+    load_thread_adapter(engine.model, thread)
+    add_lora(engine.model, LoraSettings(r=8))  # the policy's own, after the thread's
+    _random_adapter(engine.model, "default", 1)
+    policy = load_model(folder)  # the policy alone: its adapters merged, the thread adapter not
+    policy.load_state_dict(merged_state_dict(engine.model))
+    results = play((engine, ChatFormat.from_tokenizer(engine.tokenizer), None), "stream", seeds=[3, 4, 5])
+    assert sum(r.deleted_cursors for r in results) > 0
+    for r in results:
+        (t,) = r.traces
+        assert r.error is None and logprob_gap(policy, t) < 5e-5  # the main thread: the policy alone
+        assert max(logprob_gap(engine.model, x) for x in [t, *r.aux_traces]) < 5e-5  # engine == trainer
+        assert min(logprob_gap(policy, x) for x in r.aux_traces) > 1e-3  # the forks: the thread adapter too
+    engine.model.adapter_gate = None  # negative control: the thread adapter everywhere
+    assert all(logprob_gap(engine.model, r.traces[0]) > 1e-3 for r in results)
+
+    assert {n.split(".")[-2] for n, p in engine.model.named_parameters() if p.requires_grad} == {"default"}
+
+    sets = [f"out={tmp_path / 'rl'}", "steps=1", "prompts=2", "group_size=2", "threads=1", f"model.path={folder}",
+            "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16", "rollout.max_turns=3",
+            "memory_cost=1", "advantage=loo", f"strategy.thread_adapter={thread}", "checkpoint_every=1"]  # fmt: skip
+    last = train(load_config(TrainConfig, "configs/sidequest/rl.toml", sets))
+    ckpt = tmp_path / "rl" / "checkpoints" / "step_00000001"
+    own = load_file(ckpt / "lora.safetensors")
+    assert last["errors"] == 0 and own and not [k for k in own if THREAD in k]
+    assert max(float(v.abs().max()) for k, v in own.items() if "lora_B" in k) > 0  # the policy moved
+    replay = load_model(folder)  # the checkpoint's model is the base with the policy's adapters only
+    add_lora(replay, LoraSettings(r=16))
+    Adapters(replay).load_state_dict(own)
+    saved = load_file(ckpt / "model" / "model.safetensors")
+    assert all(torch.allclose(saved[k], v, atol=1e-6) for k, v in merged_state_dict(replay).items() if k in saved)
+    for bad, match in (("train.lora=", "set train.lora"), ("objective=rft", "is for objective = 'rl'")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, bad])
 
 
 def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations(tmp_path, monkeypatch):

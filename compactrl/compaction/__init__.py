@@ -148,7 +148,8 @@ class SideQuestConfig(_Config):
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
     thread_adapter: str | None = Field(
         None, description="a checkpoint folder of a sidequest.adapter = 'thread' fine-tune: its LoRA "
-        "adapters act on the auxiliary thread's tokens only, the main thread stays model.path"
+        "adapters act on the auxiliary thread's tokens only, the main thread stays model.path; in training "
+        "(objective = 'rl') it stays frozen while the policy's own LoRA learns"
     )  # fmt: skip
 
     @model_validator(mode="after")

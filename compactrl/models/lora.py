@@ -9,6 +9,7 @@ merged, plain Hugging Face model folder that ``eval``, ``verify`` and transforme
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+THREAD = "thread"  # the adapter name of a loaded SideQuest thread adapter (strategy.thread_adapter)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -36,33 +38,49 @@ class LoraSettings(BaseModel):
         return v
 
 
-def add_lora(model: torch.nn.Module, settings: LoraSettings) -> None:
-    """Inject adapters in place (``B = 0``: the model's outputs are unchanged) and freeze the base."""
+def add_lora(model: torch.nn.Module, settings: LoraSettings, name: str = "default") -> None:
+    """Inject adapters ``name`` in place (``B = 0``: the model's outputs are unchanged) and freeze the
+    base. Adapters already there (a thread adapter) stay active and frozen: each layer sums them all."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.lora import LoraLayer
     except ImportError as e:
         raise ImportError("train.lora needs peft: pip install 'compactrl[lora]' (or pip install peft)") from e
 
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.targets))  # fmt: skip
-    inject_adapter_in_model(config, model)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
+    with warnings.catch_warnings():  # a second adapter is what we mean: peft warns of it
+        warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+        inject_adapter_in_model(config, model, adapter_name=name)
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.set_adapter(list(m.lora_A))  # peft activates only the newest adapter
+    for pname, p in model.named_parameters():
+        p.requires_grad_(_own(pname) and name != THREAD)
+
+
+def _own(name: str) -> bool:
+    """An adapter weight that is the run's own, not a loaded (frozen) thread adapter's."""
+    return "lora_" in name and f".{THREAD}." not in name
 
 
 def has_lora(model: torch.nn.Module) -> bool:
-    return any("lora_" in name for name, _ in model.named_parameters())
+    """Whether the model has adapters of its own (a loaded thread adapter does not count)."""
+    return any(_own(name) for name, _ in model.named_parameters())
 
 
 @torch.no_grad()
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's weights (Hugging Face names) with every adapter merged in."""
+    """The plain model's weights (Hugging Face names) with the model's own adapters merged in (a
+    thread adapter is not: it acts on the auxiliary thread's tokens only, and loads on its own)."""
     from peft.tuners.lora import LoraLayer
 
     state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             for adapter in module.active_adapters:
+                if adapter == THREAD:
+                    continue
                 key = f"{name}.weight"
                 state[key] = state[key] + module.get_delta_weight(adapter).to(state[key].dtype)
     return state
@@ -77,7 +95,7 @@ class Adapters:
         self.metadata = {"lora": settings.model_dump_json()} if settings is not None else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
+        return {k: v for k, v in self.model.state_dict().items() if _own(k)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         mine = set(self.state_dict())
@@ -90,22 +108,22 @@ class Adapters:
 
 
 class AdapterGate:
-    """Which tokens of the next forward the adapters act on: ``mask [N]`` over the forward's tokens
-    (1 where they act), or None (everywhere). A forward hook scales each adapter's ``B`` output,
-    so a gated-off token computes exactly what the base model computes.
+    """Which tokens of the next forward adapter ``name`` acts on: ``mask [N]`` over the forward's
+    tokens (1 where it acts), or None (everywhere). A forward hook scales the adapter's ``B``
+    output, so a gated-off token computes exactly what the model without it computes.
 
-    SideQuest's thread adapter: the adapters act on the auxiliary thread's own tokens only, so the
-    main thread is the base model and the thread reads the prefix KV the base wrote (the KV the
-    engine's fork shares)."""
+    SideQuest's thread adapter: it acts on the auxiliary thread's own tokens only, so the main
+    thread is the policy without it and the thread reads the prefix KV the policy wrote (the KV the
+    engine's fork shares). Other adapters (the policy's own, trained by RL) act everywhere."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, name: str):
         from peft.tuners.lora import LoraLayer
 
         self.mask: torch.Tensor | None = None
-        self.handles = [b.register_forward_hook(self._hook) for m in model.modules()
-                        if isinstance(m, LoraLayer) for b in m.lora_B.values()]  # fmt: skip
+        self.handles = [m.lora_B[name].register_forward_hook(self._hook) for m in model.modules()
+                        if isinstance(m, LoraLayer) and name in m.lora_B]  # fmt: skip
         if not self.handles:
-            raise ValueError("the model has no LoRA adapters to gate")
+            raise ValueError(f"the model has no LoRA adapter {name!r} to gate")
 
     def _hook(self, module, args, out: torch.Tensor) -> torch.Tensor:
         if self.mask is None:
@@ -130,16 +148,17 @@ def adapter_mask(model: torch.nn.Module, mask: Callable[[], torch.Tensor]) -> It
         gate.mask = None
 
 
-def gate_adapters(model: torch.nn.Module) -> AdapterGate:
-    """Install (once) and return the model's adapter gate."""
+def gate_adapters(model: torch.nn.Module, name: str = "default") -> AdapterGate:
+    """Install (once) and return the model's adapter gate, on adapter ``name``."""
     if getattr(model, "adapter_gate", None) is None:
-        model.adapter_gate = AdapterGate(model)
+        model.adapter_gate = AdapterGate(model, name)
     return model.adapter_gate
 
 
 def load_thread_adapter(model: torch.nn.Module, checkpoint: str | Path) -> AdapterGate:
     """Inject a checkpoint's adapters (``lora.safetensors``, its settings in the metadata) into
-    ``model`` and gate them: they act where the gate says (SideQuest: the auxiliary thread)."""
+    ``model`` as adapter ``thread``, frozen, and gate them: they act where the gate says (SideQuest:
+    the auxiliary thread). Load it before the run's own adapters (``add_lora``), if any."""
     from safetensors import safe_open
 
     f = Path(checkpoint) / "lora.safetensors"
@@ -151,8 +170,14 @@ def load_thread_adapter(model: torch.nn.Module, checkpoint: str | Path) -> Adapt
     if meta is None:
         raise ValueError(f"{f} carries no LoRA settings in its metadata (written before they were "
                          "saved): train the adapter again")  # fmt: skip
-    add_lora(model, LoraSettings.model_validate_json(meta))
+    if has_lora(model) or getattr(model, "adapter_gate", None) is not None:
+        raise ValueError("load the thread adapter into a model without adapters (before add_lora), once")
+    add_lora(model, LoraSettings.model_validate_json(meta), name=THREAD)
     p = next(model.parameters())
-    Adapters(model).load_state_dict({k: v.to(p.device, p.dtype) for k, v in state.items()})
-    model.requires_grad_(False)
-    return gate_adapters(model)
+    mine = {k: v for k, v in model.state_dict().items() if f".{THREAD}." in k}
+    state = {k.replace(".default.", f".{THREAD}."): v.to(p.device, p.dtype) for k, v in state.items()}
+    if set(state) != set(mine):
+        raise ValueError(f"{f} does not fit the model (missing {sorted(set(mine) - set(state))[:3]}, "
+                         f"unexpected {sorted(set(state) - set(mine))[:3]}): it was trained on another model")  # fmt: skip
+    model.load_state_dict(state, strict=False)
+    return gate_adapters(model, THREAD)

@@ -44,7 +44,7 @@ from compactrl.engine import EngineConfig
 from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.envs.base import HELD_OUT_SEED
 from compactrl.models.loading import load_model, save_model
-from compactrl.models.lora import Adapters, gate_adapters
+from compactrl.models.lora import Adapters, gate_adapters, load_thread_adapter
 from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import (
     latest_checkpoint,
@@ -241,10 +241,16 @@ class TrainConfig(BaseModel):
                     "is nothing for the KL to anchor; set sidequest.kl = 0"
                 )
         if isinstance(self.strategy, SideQuestConfig) and self.strategy.thread_adapter:
-            raise ValueError(
-                "strategy.thread_adapter loads a trained thread adapter for rollouts; training makes "
-                "its own (objective = 'sidequest', sidequest.adapter = 'thread')"
-            )
+            if self.objective != "rl":
+                raise ValueError(
+                    f"strategy.thread_adapter (a trained thread adapter, frozen) is for objective = 'rl', "
+                    f"not {self.objective!r}: objective 'sidequest' trains its own thread adapter"
+                )
+            if not self.train.lora or self.cluster.rollout_workers:
+                raise ValueError(
+                    "RL under a frozen thread adapter trains the policy's own LoRA on the driver's "
+                    "engine: set train.lora and cluster.rollout_workers = 0"
+                )
         if self.memory_cost and (self.objective != "rl" or self.advantage == "gae"):
             raise ValueError(
                 "memory_cost prices the episode's peak KV into its reward for objective = 'rl' with "
@@ -453,6 +459,8 @@ def train(
     engine = load_engine(cfg.model, cfg.engine, run_dir)
     source = cfg.model.folder(run_dir)  # the tokenizer files checkpoints carry
     model = engine.model
+    if getattr(cfg.strategy, "thread_adapter", None):  # frozen, on the threads' tokens; before the run's LoRA
+        load_thread_adapter(model, cfg.strategy.thread_adapter)
     fmt = ChatFormat.from_tokenizer(
         engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
     )
