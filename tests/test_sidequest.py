@@ -477,7 +477,8 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from compactrl.config import ConfigError, load_config
-    from compactrl.models.lora import THREAD, Adapters, LoraSettings, add_lora, load_thread_adapter, merged_state_dict
+    from compactrl.models.lora import THREAD, Adapters, LoraSettings, add_lora, load_thread_adapter
+    from compactrl.models.lora import merged_state_dict as merged
     from compactrl.rl.loop import TrainConfig, train
 
     folder, thread = write_tiny_model(tmp_path / "m"), tmp_path / "thread"
@@ -493,7 +494,7 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
     add_lora(engine.model, LoraSettings(r=8))  # the policy's own, after the thread's
     _random_adapter(engine.model, "default", 1)
     policy = load_model(folder)  # the policy alone: its adapters merged, the thread adapter not
-    policy.load_state_dict(merged_state_dict(engine.model))
+    policy.load_state_dict(merged(engine.model))
     results = play((engine, ChatFormat.from_tokenizer(engine.tokenizer), None), "stream", seeds=[3, 4, 5])
     assert sum(r.deleted_cursors for r in results) > 0
     for r in results:
@@ -506,9 +507,10 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
 
     assert {n.split(".")[-2] for n, p in engine.model.named_parameters() if p.requires_grad} == {"default"}
 
-    sets = [f"out={tmp_path / 'rl'}", "steps=1", "prompts=2", "group_size=2", "threads=1", f"model.path={folder}",
-            "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16", "rollout.max_turns=3",
-            "memory_cost=1", "advantage=loo", f"strategy.thread_adapter={thread}", "checkpoint_every=1"]  # fmt: skip
+    sets = [f"out={tmp_path / 'rl'}", "steps=1", "prompts=2", "group_size=2", "threads=1",
+            f"model.path={folder}", "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16",
+            "rollout.max_turns=3", "memory_cost=1", "advantage=loo", f"strategy.thread_adapter={thread}",
+            "checkpoint_every=1"]  # fmt: skip
     last = train(load_config(TrainConfig, "configs/sidequest/rl.toml", sets))
     ckpt = tmp_path / "rl" / "checkpoints" / "step_00000001"
     own = load_file(ckpt / "lora.safetensors")
@@ -518,7 +520,7 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
     add_lora(replay, LoraSettings(r=16))
     Adapters(replay).load_state_dict(own)
     saved = load_file(ckpt / "model" / "model.safetensors")
-    assert all(torch.allclose(saved[k], v, atol=1e-6) for k, v in merged_state_dict(replay).items() if k in saved)
+    assert all(torch.allclose(saved[k], v, atol=1e-6) for k, v in merged(replay).items() if k in saved)
     for bad, match in (("train.lora=", "set train.lora"), ("objective=rft", "is for objective = 'rl'")):
         with pytest.raises(ConfigError, match=match):
             load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, bad])

@@ -176,8 +176,9 @@ def load_thread_adapter(model: torch.nn.Module, checkpoint: str | Path) -> Adapt
     p = next(model.parameters())
     mine = {k: v for k, v in model.state_dict().items() if f".{THREAD}." in k}
     state = {k.replace(".default.", f".{THREAD}."): v.to(p.device, p.dtype) for k, v in state.items()}
-    if set(state) != set(mine):
-        raise ValueError(f"{f} does not fit the model (missing {sorted(set(mine) - set(state))[:3]}, "
-                         f"unexpected {sorted(set(state) - set(mine))[:3]}): it was trained on another model")  # fmt: skip
+    missing, unexpected = sorted(set(mine) - set(state))[:3], sorted(set(state) - set(mine))[:3]
+    if missing or unexpected:
+        raise ValueError(f"{f} does not fit the model (missing {missing}, unexpected {unexpected}): "
+                         "it was trained on another model")  # fmt: skip
     model.load_state_dict(state, strict=False)
     return gate_adapters(model, THREAD)
