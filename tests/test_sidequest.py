@@ -55,7 +55,9 @@ def logprob_gap(model, trace, view=None) -> float:
 def test_the_answer_is_the_last_del_cursors_json():
     assert parse_deletions('Cursor 0 is stale.\n{"del_cursors": [2, 0, 2]}') == [0, 2]
     assert parse_deletions('{"del_cursors": [1]} then {"del_cursors": []}') == []
-    for bad in ("", "delete 0", '{"del_cursors": [true]}', '{"del_cursors": [-1]}', '{"del_cursors": ["0"]}'):
+    bad_json = ('{"del_cursors": [1, ]}', '{"del_cursors": [1 2]}', '{"del_cursors": [0x1]}')  # sampled
+    for bad in ("", "delete 0", '{"del_cursors": [true]}', '{"del_cursors": [-1]}', '{"del_cursors": ["0"]}',
+                *bad_json):  # fmt: skip
         assert parse_deletions(bad) is None, bad
     assert parse_deletions(aux_answer([(3, "search", 2), (5, "open", 4)])) == [3, 5]
     thread = AuxThread("Memory management mode", 64, parallel=True)

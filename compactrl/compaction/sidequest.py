@@ -32,7 +32,10 @@ def parse_deletions(text: str) -> list[int] | None:
     found = _ANSWER.findall(text)
     if not found:
         return None
-    ids = json.loads(found[-1])["del_cursors"]
+    try:
+        ids = json.loads(found[-1])["del_cursors"]
+    except json.JSONDecodeError:  # a sampled thread writes '[1, ]' or '[1 2]': unparsable, counted
+        return None
     if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in ids):
         return None
     return sorted(set(ids))
