@@ -56,17 +56,18 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings, name: str = "defaul
         if isinstance(m, LoraLayer):
             m.set_adapter(list(m.lora_A))  # peft activates only the newest adapter
     for pname, p in model.named_parameters():
-        p.requires_grad_(_own(pname) and name != THREAD)
+        p.requires_grad_(_of(pname, "default") and name != THREAD)
 
 
-def _own(name: str) -> bool:
-    """An adapter weight that is the run's own, not a loaded (frozen) thread adapter's."""
-    return "lora_" in name and f".{THREAD}." not in name
+def _of(key: str, name: str) -> bool:
+    """Whether weight ``key`` belongs to adapter ``name``: the run's own ("default"), or a loaded
+    (frozen) thread adapter's (THREAD)."""
+    return "lora_" in key and (f".{THREAD}." in key) == (name == THREAD)
 
 
 def has_lora(model: torch.nn.Module) -> bool:
     """Whether the model has adapters of its own (a loaded thread adapter does not count)."""
-    return any(_own(name) for name, _ in model.named_parameters())
+    return any(_of(key, "default") for key, _ in model.named_parameters())
 
 
 @torch.no_grad()
@@ -90,12 +91,12 @@ class Adapters:
     """The adapter weights as a checkpointable unit (``state_dict`` / ``load_state_dict``); the
     settings go into the file's metadata, so a checkpoint's adapters load without the run config."""
 
-    def __init__(self, model: torch.nn.Module, settings: LoraSettings | None = None):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, settings: LoraSettings | None = None, name: str = "default"):
+        self.model, self.name = model, name
         self.metadata = {"lora": settings.model_dump_json()} if settings is not None else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.model.state_dict().items() if _own(k)}
+        return {k: v for k, v in self.model.state_dict().items() if _of(k, self.name)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         mine = set(self.state_dict())
@@ -174,11 +175,9 @@ def load_thread_adapter(model: torch.nn.Module, checkpoint: str | Path) -> Adapt
         raise ValueError("load the thread adapter into a model without adapters (before add_lora), once")
     add_lora(model, LoraSettings.model_validate_json(meta), name=THREAD)
     p = next(model.parameters())
-    mine = {k: v for k, v in model.state_dict().items() if f".{THREAD}." in k}
     state = {k.replace(".default.", f".{THREAD}."): v.to(p.device, p.dtype) for k, v in state.items()}
-    missing, unexpected = sorted(set(mine) - set(state))[:3], sorted(set(state) - set(mine))[:3]
-    if missing or unexpected:
-        raise ValueError(f"{f} does not fit the model (missing {missing}, unexpected {unexpected}): "
-                         "it was trained on another model")  # fmt: skip
-    model.load_state_dict(state, strict=False)
+    try:
+        Adapters(model, name=THREAD).load_state_dict(state)
+    except ValueError as e:
+        raise ValueError(f"{f}: {e} (it was trained on another model)") from e
     return gate_adapters(model, THREAD)
