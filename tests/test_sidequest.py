@@ -472,7 +472,7 @@ def _random_adapter(model, name: str, seed: int) -> None:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed + len(n)))
 
 
-def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
+def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path, monkeypatch):
     """Item 6 on the thread adapter: the policy's own LoRA acts on every token, the frozen thread
     adapter on the forks' tokens as well; the one-pass trainer replays both, the policy's merged
     checkpoint leaves the thread adapter out, and an RL step moves the policy, never the thread."""
@@ -482,7 +482,12 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
     from compactrl.models.lora import THREAD, Adapters, LoraSettings, add_lora, load_thread_adapter
     from compactrl.models.lora import merged_state_dict as merged
     from compactrl.rl.loop import TrainConfig, train
+    from compactrl.rl.trainer import Trainer
 
+    seen, step = [], Trainer.step
+    monkeypatch.setattr(
+        Trainer, "step", lambda self, samples, *a, **kw: seen.append(samples) or step(self, samples, *a, **kw)
+    )
     folder, thread = write_tiny_model(tmp_path / "m"), tmp_path / "thread"
     model = load_model(folder)
     add_lora(model, LoraSettings(r=4))
@@ -523,9 +528,26 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path):
     Adapters(replay).load_state_dict(own)
     saved = load_file(ckpt / "model" / "model.safetensors")
     assert all(torch.allclose(saved[k], v, atol=1e-6) for k, v in merged(replay).items() if k in saved)
+    aux = lambda: [s for s in seen[-1] if s.trace.meta.get("aux")]  # noqa: E731
+    assert aux() and all(s.trace.trainable.sum() for s in aux())  # the forks' own tokens train too
+
+    # train_aux = false: the same step's rollouts (the same seeds and weights), the main threads only
+    no_aux = train(
+        load_config(
+            TrainConfig, "configs/sidequest/rl.toml", [*sets, f"out={tmp_path / 'main'}", "train_aux=false"]
+        )
+    )
+    assert seen[-1] and not aux() and no_aux["reward"] == last["reward"]
+    assert (
+        no_aux["trained_tokens"]
+        == sum(int(s.trace.trainable.sum()) for s in seen[-1])
+        < last["trained_tokens"]
+    )
     for bad, match in (("train.lora=", "set train.lora"), ("objective=rft", "is for objective = 'rl'")):
         with pytest.raises(ConfigError, match=match):
             load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, bad])
+    with pytest.raises(ConfigError, match="this run trains none"):  # no auxiliary threads to leave out
+        load_config(TrainConfig, "configs/train/rooms_window.toml", ["train_aux=false"])
 
 
 def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations(tmp_path, monkeypatch):

@@ -129,6 +129,12 @@ class TrainConfig(BaseModel):
         0.0, ge=0, description="rl: an episode's advantage is computed from its reward minus this x its peak "
         "KV with its auxiliary threads, in thousands of tokens (a price on memory; 0: the reward alone)"
     )  # fmt: skip
+    train_aux: bool = Field(
+        True, description="strategy.name = 'sidequest' (objective rl, rft, distill): train the auxiliary "
+        "threads' tokens too, with their episode's advantage (a forward over each thread's prefix); "
+        "false: the main thread's only, the threads' deletions taken as the environment's (a partial "
+        "gradient: the threads still run the policy's adapters, untrained)"
+    )  # fmt: skip
     advantage: Literal["group", "loo", "gae"] = Field(
         "group",
         description="rl's baseline — group: reward minus the mean of its env seed's group (GRPO); loo: "
@@ -251,6 +257,14 @@ class TrainConfig(BaseModel):
                     "RL under a frozen thread adapter trains the policy's own LoRA on the driver's "
                     "engine: set train.lora and cluster.rollout_workers = 0"
                 )
+        if not self.train_aux and (
+            self.objective in ("sft", "sidequest") or not isinstance(self.strategy, SideQuestConfig)
+        ):
+            raise ValueError(
+                "train_aux = false leaves SideQuest's auxiliary threads out of the updates on the run's "
+                "own rollouts (objective rl, rft or distill with strategy.name = 'sidequest'); this run "
+                "trains none: remove it"
+            )
         if self.memory_cost and (self.objective != "rl" or self.advantage == "gae"):
             raise ValueError(
                 "memory_cost prices the episode's peak KV into its reward for objective = 'rl' with "
@@ -634,7 +648,8 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
             samples += [Sample(t, a * w, i) for t, w in zip(r.traces, credit, strict=True)]
             # SideQuest's auxiliary threads share their episode's outcome: their deletions are trained
             # with the reward of the episode they shaped (the forks' own tokens only are trainable)
-            samples += [Sample(t, np.full(len(t), a, np.float32), i) for t in r.aux_traces]
+            if cfg.train_aux:
+                samples += [Sample(t, np.full(len(t), a, np.float32), i) for t in r.aux_traces]
     stats = _updates(cfg, trainer, samples, loss, step) if samples else _no_update()
     t2 = time.perf_counter()
     if sampler is not None:
