@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The four-hop SideQuest study from nothing, one stage after another (each skipped when its
+# checkpoint is there; a stage cut off resumes from its newest checkpoint): the SmolLM2 import,
+# the two-hop browse policy, the 2-4 hop policy, the keep_calls call thread adapter, RL of the
+# policy under that thread, and the bench rows that compare them. On a 2-core CPU: about 35 + 40 +
+# 15 minutes before RL, then 4 minutes an RL step (rl_main_hops4.toml has 30) and 6-20 minutes a
+# bench row. Thread counts are the ones the README's numbers were measured with (a run reproduces
+# exactly at the same count).
+# Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: the RL and every-2 rows)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+hops4=runs/browse/sft_smollm2_hops4/checkpoints/step_00000080/model
+thread=runs/sidequest/thread_hops4_call_keep_calls
+stage() {  # stage DONE_PATH RUN_DIR CMD...: run CMD (resuming RUN_DIR if it has begun) unless DONE_PATH exists
+  local done=$1 dir=$2; shift 2
+  [ -e "$done" ] && return
+  if [ -d "$dir/checkpoints" ]; then "$@" --resume; else "$@"; fi
+}
+[ -f runs/smollm2/config.json ] || compactrl import-gguf --smollm2 runs/smollm2
+stage runs/browse/sft_smollm2/checkpoints/step_00000160 runs/browse/sft_smollm2 \
+  compactrl train configs/browse/sft_smollm2.toml
+stage "$hops4" runs/browse/sft_smollm2_hops4 compactrl train configs/browse/sft_smollm2_hops4.toml
+stage "$thread/checkpoints/step_00000012" "$thread" compactrl train configs/sidequest/train_thread.toml \
+  --set model.path="$hops4" --set env.max_hops=4 --set strategy.at=call --set strategy.keep_unread=true \
+  --set strategy.keep_calls=true --set out="$thread" --set threads=1
+stage runs/sidequest/rl_main_hops4/checkpoints/step_00000030 runs/sidequest/rl_main_hops4 \
+  compactrl train configs/sidequest/rl_main_hops4.toml
+rows=("$@")
+[ ${#rows[@]} -gt 0 ] || rows=(rl-main-thread4call-keep-calls-sequential rl-main-full
+                               hops4-thread4call-keep-calls-sequential-every2)
+for row in "${rows[@]}"; do
+  compactrl bench memory configs/bench/sidequest_hops4.toml --only "$row" --set threads=1
+done
