@@ -4,8 +4,9 @@
 # the two-hop browse policy, the 2-4 hop policy, the keep_calls call thread adapter, RL of the
 # policy under that thread, and the bench rows that compare them. On a 2-core CPU: about 35 + 40 +
 # 15 minutes before RL, then 4 minutes an RL step (rl_main_hops4.toml has 30) and 6-20 minutes a
-# bench row. Thread counts are the ones the README's numbers were measured with (a run reproduces
-# exactly at the same count).
+# bench row. Thread counts are the ones the README's numbers were measured with (one rebuild
+# reproduced the 2-4 hop policy's full row exactly, a later one did not: 0.35 at 685 against 0.34
+# at 671; see the README).
 # Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: the RL and every-2 rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
