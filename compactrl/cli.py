@@ -740,6 +740,12 @@ def bench_train_step(
         f"{r['reprefill_s']:.3f} s"
     )
     out.print(f"re-prefill / stream: tokens {r['token_ratio']:.2f}, time {r['time_ratio']:.2f}")
+    if r["aux_threads"]:
+        out.print(
+            f"{r['aux_threads']} auxiliary threads spliced into their main traces; fed apart: "
+            f"{r['forks_apart_tokens']} tokens, {r['forks_apart_s']:.3f} s; apart / spliced: tokens "
+            f"{r['forks_token_ratio']:.2f}, time {r['forks_time_ratio']:.2f}"
+        )
 
 
 @bench_app.command("engine")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from compactrl.compaction.sidequest import thread_mask
 from compactrl.trace import Trace
 
 
@@ -83,8 +85,111 @@ def flex_block_mask(evict_at: torch.Tensor, block_size: int = 128):
 
 
 @dataclass
+class Stream:
+    """What one stretch of a row feeds: a trace alone, or a main trace with its auxiliary threads'
+    own tokens spliced in at their fork points. A fork's block follows the prefix it was forked
+    from and is evicted where it ends, so it sees exactly that prefix and the main thread never
+    sees it: one forward for the episode instead of one more per fork over its whole prefix."""
+
+    members: list[int]  # trace indices, the main trace first
+    index: list[np.ndarray]  # per member, where each of its tokens sits in the stream
+    shared: list[int]  # per member, its first tokens [0, shared) are the main trace's (0: none)
+    tokens: np.ndarray
+    positions: np.ndarray  # each token's RoPE position in its own trace (a fork's go on from its fork point)
+    evict_at: np.ndarray
+    thread: np.ndarray  # bool: an auxiliary thread's own tokens (where a gated thread adapter acts)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _alone(traces: list[Trace], k: int) -> Stream:
+    t = traces[k]
+    at = np.arange(len(t))
+    return Stream([k], [at], [0], t.tokens, at, t.evict_at, thread_mask(t))
+
+
+def _tree(traces: list[Trace], m: int, forks: list[int]) -> Stream:
+    if not forks:
+        return _alone(traces, m)
+    main, T = traces[m], len(traces[m])
+    forks = sorted(forks, key=lambda k: traces[k].meta["fork_at"])
+    at = np.array([traces[k].meta["fork_at"] for k in forks])
+    own = np.array([len(traces[k]) - a for k, a in zip(forks, at, strict=True)])
+    before = np.concatenate([[0], np.cumsum(own)])  # the forks' tokens spliced in before each block
+
+    def moved(i, side="right"):  # a main index's place in the stream: after the blocks forked at <= i
+        return i + before[np.searchsorted(at, i, side)]
+
+    # an eviction at a fork point that the fork had too lands before its block, any other after it
+    early = np.zeros(T, bool)
+    for k, a in zip(forks, at, strict=True):
+        early[:a] |= traces[k].evict_at[:a] == a
+    main_at = moved(np.arange(T))
+    L = T + int(before[-1])
+    tokens, positions, evict_at = (np.zeros(L, np.int64) for _ in range(3))
+    thread = np.zeros(L, bool)
+    tokens[main_at], positions[main_at] = main.tokens, np.arange(T)
+    evict_at[main_at] = np.where(early, moved(main.evict_at, "left"), moved(main.evict_at))
+    index = [main_at]
+    for b, (k, a) in enumerate(zip(forks, at, strict=True)):
+        block = a + before[b] + np.arange(own[b])
+        tokens[block], positions[block] = traces[k].tokens[a:], np.arange(a, len(traces[k]))
+        evict_at[block], thread[block] = a + before[b + 1], True  # gone where the block ends
+        index.append(np.concatenate([main_at[:a], block]))
+    return Stream([m, *forks], index, [0, *at.tolist()], tokens, positions, evict_at, thread)
+
+
+def _sees(evict_at: np.ndarray) -> np.ndarray:
+    i = np.arange(len(evict_at))
+    return (i[None, :] <= i[:, None]) & (i[:, None] < evict_at[None, :])
+
+
+def _exact(s: Stream, traces: list[Trace]) -> list[bool]:
+    """Per member: its queries see in the stream exactly the keys they saw in its own trace."""
+    sees = _sees(s.evict_at)
+    out = []
+    for k, idx in zip(s.members, s.index, strict=True):
+        own, rows = _sees(traces[k].evict_at), sees[idx]
+        out.append(np.array_equal(rows[:, idx], own) and np.array_equal(rows.sum(1), own.sum(1)))
+    return out
+
+
+def streams(traces: list[Trace], splice: bool = True) -> list[Stream]:
+    """The traces as streams: with ``splice`` each auxiliary-thread trace (``meta["aux"]``) joins
+    the main trace it was forked from (the same tokens up to its ``fork_at``) when the spliced
+    stream reproduces every member's visibility exactly (checked); otherwise it stays alone."""
+    if not splice:
+        return [_alone(traces, k) for k in range(len(traces))]
+    mains = [k for k, t in enumerate(traces) if not t.meta.get("aux")]
+    attached: dict[int, list[int]] = {m: [] for m in mains}
+    alone = []
+
+    def forked_from(m: int, fork: Trace) -> bool:
+        a = fork.meta["fork_at"]
+        return 0 < a <= len(traces[m]) and np.array_equal(traces[m].tokens[:a], fork.tokens[:a])
+
+    for k, t in enumerate(traces):
+        if t.meta.get("aux"):
+            m = next((m for m in mains if forked_from(m, t)), None)
+            (alone if m is None else attached[m]).append(k)
+    out = []
+    for m, forks in attached.items():
+        while True:
+            s = _tree(traces, m, forks)
+            ok = _exact(s, traces)
+            if all(ok):
+                break
+            bad = [k for k, good in zip(s.members[1:], ok[1:], strict=True) if not (good and ok[0])]
+            alone += bad
+            forks = [k for k in forks if k not in bad]
+        out.append(s)
+    return out + [_alone(traces, k) for k in alone]
+
+
+@dataclass
 class PackedRow:
-    """Several streams concatenated into one row; positions restart at 0 for each stream."""
+    """Several streams concatenated into one row, each at its own positions."""
 
     tokens: torch.Tensor  # int64 [L]
     positions: torch.Tensor  # int64 [L]
@@ -93,22 +198,24 @@ class PackedRow:
     lengths: list[int]
 
 
-def pack(traces: list[Trace], device: torch.device | str = "cpu") -> PackedRow:
+def pack(streams: list[Stream | Trace], device: torch.device | str = "cpu") -> PackedRow:
+    """Concatenate streams (a trace is fed at positions 0..T-1) into one row."""
     starts, lengths, toks, pos, ev = [], [], [], [], []
     offset = 0
-    for t in traces:
-        T = len(t)
+    for s in streams:
+        T = len(s)
         starts.append(offset)
         lengths.append(T)
-        toks.append(torch.as_tensor(t.tokens, dtype=torch.long))
-        pos.append(torch.arange(T, dtype=torch.long))
-        ev.append(torch.as_tensor(t.evict_at, dtype=torch.long) + offset)
+        toks.append(torch.as_tensor(s.tokens, dtype=torch.long))
+        p = s.positions if isinstance(s, Stream) else np.arange(T)
+        pos.append(torch.as_tensor(p, dtype=torch.long))
+        ev.append(torch.as_tensor(s.evict_at, dtype=torch.long) + offset)
         offset += T
     cat = lambda xs: torch.cat(xs).to(device)  # noqa: E731
     return PackedRow(cat(toks), cat(pos), cat(ev), starts, lengths)
 
 
-def pack_greedy(traces: list[Trace], max_tokens: int) -> list[list[int]]:
+def pack_greedy(traces: list[Stream | Trace], max_tokens: int) -> list[list[int]]:
     """Group trace indices into rows of at most ``max_tokens`` (first-fit decreasing)."""
     rows: list[list[int]] = []
     sizes: list[int] = []

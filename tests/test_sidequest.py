@@ -5,6 +5,7 @@ oracle answers the auxiliary thread, both teacher-forced through the engine, so 
 scored by the engine and checked against the trainer's one-pass forward."""
 
 import asyncio
+import copy
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ from compactrl.compaction import SideQuestConfig, build_strategy
 from compactrl.compaction.sidequest import AuxThread, aux_answer, parse_deletions
 from compactrl.engine import Engine
 from compactrl.envs.browse import BrowseEnv
+from compactrl.masks import dense_mask, pack, streams
+from compactrl.models.decoder import token_logprobs
 from compactrl.models.loading import load_model
 from compactrl.models.tiny import write_tiny_model
 from compactrl.plot import load_metrics
@@ -611,3 +614,57 @@ def test_a_demo_rollout_is_the_solver_and_the_oracle_the_floor_a_policy_is_measu
     assert verify_run(tmp_path / "call")["ok"]  # engine == trainer on the stream and its forks
     assert full["mean_peak_kv_with_threads"] == full["mean_peak_live_kv"] and full["aux_kv_reads"] == 0
     assert seq["mean_peak_kv_with_threads"] > seq["mean_peak_live_kv"] and seq["aux_kv_reads"] > 0
+
+
+CALL_KEEP_CALLS = {"at": "call", "keep_unread": True, "keep_calls": True}
+
+
+@pytest.mark.parametrize(
+    "parallel,fork",
+    [(False, {}), (True, {}), (False, CALL_KEEP_CALLS)],
+    ids=["sequential", "parallel", "at-call"],
+)
+def test_forks_train_spliced_into_their_main_trace_in_one_forward(setup, parallel, fork):
+    """Each fork's own tokens join its main trace's stream (evicted where they end): one forward
+    gives every trace's log-probs and gradients as its own forward does, with fewer tokens fed."""
+    _, _, model = setup
+    results = play(setup, "stream", parallel=parallel, seeds=[3, 4, 5], **fork)
+    traces = [x for r in results for x in [*r.traces, *r.aux_traces]]
+    ss = streams(traces)
+    assert len(ss) == len(results) and sum(r.aux_calls for r in results) > len(results)  # all spliced
+    assert sum(map(len, ss)) < 0.5 * sum(map(len, traces))  # each prefix fed once, not once a fork
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(groups):  # log-probs of every trace, and the gradient of their trainable sum
+        model.zero_grad()
+        lps = [lp for g in groups for lp in stream_logprobs(model, g)]
+        sum(lp[torch.as_tensor(t.trainable)].sum() for lp, t in zip(lps, traces, strict=True)).backward()
+        return lps, [p.grad.clone() for p in params]
+
+    (one, g1), (alone, g2) = run([traces]), run([[t] for t in traces])
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(one, alone, strict=True)) < 1e-5
+    assert all((a - b).abs().max() <= 1e-5 * b.abs().max() for a, b in zip(g1, g2, strict=True))
+    for lp, t in zip(one, traces, strict=True):  # engine == trainer, forks included
+        assert np.abs(lp.detach().double().numpy()[t.trainable] - t.logprobs[t.trainable]).max() < 5e-5
+    # negative control: a fork block left visible changes what the main thread after it sees
+    s = ss[0]
+    s.evict_at[s.thread] = len(s)
+    packed = pack([s])
+    with torch.no_grad():
+        h = model.hidden_states(packed.tokens, packed.positions, dense_mask(packed.evict_at))[0]
+        main = traces[s.members[0]]
+        lp = token_logprobs(model, h[torch.as_tensor(s.index[0][:-1])], torch.as_tensor(main.tokens[1:]))
+    assert float((lp - one[s.members[0]][1:].detach()).abs().max()) > 1e-3
+
+
+def test_a_fork_whose_view_the_splice_cannot_reproduce_stays_a_stream_of_its_own(setup):
+    _, _, model = setup
+    (r,) = play(setup, "stream", seeds=[3])
+    fork = copy.deepcopy(r.aux_traces[0])
+    a = fork.meta["fork_at"]
+    fork.evict_at[0] = a + 1  # lost the first token one step into the thread: no single evict_at does that
+    ss = streams([r.traces[0], fork, *r.aux_traces[1:]])
+    assert [len(s.members) for s in ss] == [len(r.aux_traces), 1]  # the others still spliced in
+    with torch.no_grad():
+        (together, _), (alone,) = stream_logprobs(model, [fork, r.traces[0]]), stream_logprobs(model, [fork])
+    assert torch.equal(together, alone)

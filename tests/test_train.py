@@ -9,6 +9,7 @@ import torch
 from compactrl.config import ConfigError, load_config, read_toml
 from compactrl.models.loading import load_model
 from compactrl.models.tokenizer import Tokenizer
+from compactrl.provenance import weights_hash
 from compactrl.rl.checkpoint import latest_checkpoint
 from compactrl.rl.loop import TrainConfig, evaluate, train
 from compactrl.trace import load_traces
@@ -69,6 +70,9 @@ def test_a_crashed_run_resumes_to_the_same_result(tmp_path, lora):
     assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(a.parameters(), b.parameters()))
     rows = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(1, 9))  # the crashed step 5 was not logged twice
+    starts = [json.loads(line) for line in (tmp_path / "b" / "provenance.jsonl").read_text().splitlines()]
+    assert [s["from_step"] for s in starts] == [0, 4]  # each start and resume, with what it read
+    assert starts[0]["weights"] == starts[1]["weights"] == {"model": weights_hash(tmp_path / "b" / "model")}
     first = load_model(tmp_path / "a" / "model")  # the initial model: the checkpoints moved away from it
     assert any((p - q).abs().max() > 1e-3 for p, q in zip(a.parameters(), first.parameters()))
     if lora:

@@ -30,6 +30,7 @@ from compactrl.envs import EnvConfig, RoomsConfig, make_env
 from compactrl.models.loading import DTYPES
 from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tokenizer import Tokenizer
+from compactrl.provenance import provenance
 from compactrl.trace import save_traces
 
 
@@ -228,8 +229,9 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)
-    if getattr(cfg.strategy, "thread_adapter", None):
-        load_thread_adapter(engine.model, cfg.strategy.thread_adapter)
+    thread_adapter = getattr(cfg.strategy, "thread_adapter", None)
+    if thread_adapter:
+        load_thread_adapter(engine.model, thread_adapter)
     fmt = ChatFormat.from_tokenizer(
         engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
     )
@@ -267,6 +269,7 @@ def rollout(cfg: RolloutConfig, progress=None) -> dict:
         "peak_pool_kv_tokens": engine.metrics()["peak_kv_tokens"],  # the KV pool's peak occupancy
         "generated_tokens_per_s": sum(r.generated_tokens for r in results) / wall,
         "run_dir": str(run_dir),
+        "provenance": provenance({"model": cfg.model.folder(run_dir), "thread_adapter": thread_adapter}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

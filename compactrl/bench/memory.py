@@ -101,6 +101,7 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "wall_s": s["wall_s"], "episodes_per_s": s["episodes_per_s"], "concurrency": cfg.concurrency,
         "peak_pool_kv_tokens": s["peak_pool_kv_tokens"], "preemptions": s["preemptions"],
         "threads": cfg.threads, "model": cfg.model.path, "demo": cfg.demo,
+        "provenance": s.get("provenance"),  # None: a row run before it was recorded
     }  # fmt: skip
     if s.get("aux_calls"):
         keys = (

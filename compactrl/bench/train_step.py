@@ -9,7 +9,10 @@ advantages, its own copy of the model), interleaved in one run so machine drift 
   positions, not trained again) followed by the segment's new tokens — which is what a framework
   that compacts by re-prefilling trains on.
 
-Both train exactly the same policy tokens (checked); the re-prefill step forwards more tokens.
+With SideQuest (and ``train_aux``) the auxiliary threads' traces train too: spliced into their
+main trace's stream in the stream arm, each its own forward over its whole prefix in the
+re-prefill arm and in a third, forks apart (the stream arm without the splice). Every arm trains
+exactly the same policy tokens (checked).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from compactrl.agent.batch import load_engine
 from compactrl.agent.chat import ChatFormat
 from compactrl.bench.trainer import machine_info
 from compactrl.compaction import build_strategy
+from compactrl.masks import streams
 from compactrl.models.loading import config_summary
 from compactrl.rl.forward import reprefill_segments
 from compactrl.rl.loop import TrainConfig, step_advantages
@@ -76,17 +80,24 @@ def run_train_step_bench(
     adv = step_advantages(cfg, np.array([r.reward for r in results]))
     stream = [Sample(r.traces[0], np.full(len(r.traces[0]), a, np.float32), i)
               for i, (r, a) in enumerate(zip(results, adv, strict=True))]  # fmt: skip
+    aux = [r.aux_traces if cfg.train_aux else [] for r in results]
+    forks = [Sample(t, np.full(len(t), s.advantages[0], np.float32), s.sequence)
+             for s, ts in zip(stream, aux, strict=True) for t in ts]  # fmt: skip
     reprefill = [Sample(t, np.full(len(t), s.advantages[0], np.float32), s.sequence)
                  for s in stream for t in segment_traces(s.trace)]  # fmt: skip
-    trained = {name: sum(int(s.trace.trainable.sum()) for s in samples)
-               for name, samples in (("stream", stream), ("reprefill", reprefill))}  # fmt: skip
-    if trained["stream"] != trained["reprefill"]:
-        raise AssertionError(f"the two views train different tokens: {trained}")
+    apart = cfg.train.model_copy(update={"splice_forks": False})
     arms = {
-        "stream": (Trainer(copy.deepcopy(engine.model), cfg.train), stream),
-        "reprefill": (Trainer(copy.deepcopy(engine.model), cfg.train), reprefill),
+        "stream": (Trainer(copy.deepcopy(engine.model), cfg.train), stream + forks),
+        "reprefill": (Trainer(copy.deepcopy(engine.model), apart), reprefill + forks),
     }
-    advance = progress(2 * (repeats + 1)) if progress else (lambda: None)
+    if forks:
+        arms["forks_apart"] = (Trainer(copy.deepcopy(engine.model), apart), stream + forks)
+    trained = {
+        name: sum(int(s.trace.trainable.sum()) for s in samples) for name, (_, samples) in arms.items()
+    }
+    if len(set(trained.values())) > 1:
+        raise AssertionError(f"the views train different tokens: {trained}")
+    advance = progress(len(arms) * (repeats + 1)) if progress else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in arms}
     for rep in range(repeats + 1):  # repeat 0 warms up (allocator, first-call overheads)
         for name, (trainer, samples) in arms.items():
@@ -98,7 +109,8 @@ def run_train_step_bench(
     med = {k: statistics.median(v) for k, v in times.items()}
     source = cfg.model.path or f"tiny qwen3 {cfg.model.size}"
     fed = {name: sum(len(s.trace) for s in samples) for name, (_, samples) in arms.items()}
-    return {
+    fed["stream"] = sum(map(len, streams([s.trace for s in stream + forks])))  # the forks spliced in
+    out = {
         "benchmark": "train_step",
         "machine": machine_info(cfg.threads),
         "model": config_summary(engine.model.config) | {"source": source},
@@ -106,14 +118,14 @@ def run_train_step_bench(
         "strategy": cfg.strategy.model_dump(),
         "rollouts": len(results),
         "compactions": float(np.mean([r.compactions for r in results])),
+        "aux_threads": len(forks),
         "trained_tokens": trained["stream"],
-        "stream_tokens": fed["stream"],
-        "reprefill_tokens": fed["reprefill"],
-        "token_ratio": fed["reprefill"] / fed["stream"],
-        "stream_samples": len(stream),
-        "reprefill_samples": len(reprefill),
         "repeats": repeats,
-        "stream_s": med["stream"],
-        "reprefill_s": med["reprefill"],
-        "time_ratio": med["reprefill"] / med["stream"],
     }
+    for name, (_, samples) in arms.items():
+        out |= {f"{name}_tokens": fed[name], f"{name}_samples": len(samples), f"{name}_s": med[name]}
+    out |= {"token_ratio": fed["reprefill"] / fed["stream"], "time_ratio": med["reprefill"] / med["stream"]}
+    if forks:
+        out |= {"forks_token_ratio": fed["forks_apart"] / fed["stream"],
+                "forks_time_ratio": med["forks_apart"] / med["stream"]}  # fmt: skip
+    return out

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import numpy as np
 import torch
 
-from compactrl.compaction.sidequest import thread_mask
-from compactrl.masks import chunked_mask, dense_mask, flex_block_mask, pack, pack_greedy
+from compactrl.masks import Stream, chunked_mask, dense_mask, flex_block_mask, pack, pack_greedy, streams
 from compactrl.models.decoder import CausalLM, token_logprobs, topk_logprobs
 from compactrl.models.lora import adapter_mask
 from compactrl.trace import Trace
@@ -36,8 +34,10 @@ def _row_mask(evict_at: torch.Tensor, backend: Backend, chunk: int):
     raise ValueError(f"unknown attention backend {backend!r}; use 'chunked', 'dense' or 'flex'")
 
 
-def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, max_row_tokens: int | None):
-    """Validate, pack, and yield ``(trace indices, packed row, final hidden states)`` per row."""
+def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, max_row_tokens: int | None,
+          splice_forks: bool):  # fmt: skip
+    """Validate, pack (each auxiliary thread into the main trace it forked from, where exact), and
+    yield ``(streams, packed row, final hidden states)`` per row."""
     device = next(model.parameters()).device
     cfg = model.config
     for t in traces:
@@ -47,20 +47,32 @@ def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, ma
                 f"trace {t.rollout_id!r} has {len(t)} tokens; the model takes 1 to "
                 f"max_position_embeddings = {cfg.max_position_embeddings} positions"
             )
-    rows = (
-        [[k] for k in range(len(traces))] if max_row_tokens is None else pack_greedy(traces, max_row_tokens)
-    )
+    ss = streams(traces, splice_forks)
+    rows = [[k] for k in range(len(ss))] if max_row_tokens is None else pack_greedy(ss, max_row_tokens)
     for row in rows:
-        packed = pack([traces[k] for k in row], device)
+        row_streams = [ss[k] for k in row]
+        packed = pack(row_streams, device)
         mask = _row_mask(packed.evict_at, backend, chunk)
-        with adapter_mask(model, partial(_thread_tokens, [traces[k] for k in row], device)):
+        thread = lambda ss=row_streams: torch.as_tensor(np.concatenate([s.thread for s in ss]), device=device)  # noqa: E731
+        with adapter_mask(model, thread):  # built only for a gated thread adapter: where it acts
             hidden = model.hidden_states(packed.tokens, packed.positions, mask)[0]
-        yield row, packed, hidden
+        yield row_streams, packed, hidden
 
 
-def _thread_tokens(row: list[Trace], device) -> torch.Tensor:
-    """A packed row's auxiliary-thread tokens (where a gated thread adapter acts)."""
-    return torch.as_tensor(np.concatenate([thread_mask(t) for t in row]), device=device)
+def _queries(row_streams: list[Stream], packed, copy_shared: bool):
+    """Per member trace of the row: ``(trace, main trace, first output computed, row index of the
+    query before each computed output)``. With ``copy_shared`` a fork's outputs over the prefix it
+    shares with its main trace are the main's (the same queries under the same mask)."""
+    for s, start in zip(row_streams, packed.starts, strict=True):
+        for k, idx, shared in zip(s.members, s.index, s.shared, strict=True):
+            lo = max(shared, 1) if copy_shared else 1
+            yield k, s.members[0], lo, torch.as_tensor(start + idx[lo - 1 : -1])
+
+
+def _join(first: torch.Tensor, main: torch.Tensor | None, lo: int, computed: torch.Tensor) -> torch.Tensor:
+    """A trace's outputs: ``first`` (row 0, nothing predicts token 0), the main's over [1, lo), then
+    the computed ones."""
+    return torch.cat([first, main[1:lo] if lo > 1 else computed[:0], computed])
 
 
 def stream_logprobs(
@@ -75,6 +87,7 @@ def stream_logprobs(
     candidates: list[torch.Tensor] | None = None,
     temperature: float = 1.0,
     entropy: bool = False,
+    splice_forks: bool = True,
 ) -> list[torch.Tensor]:
     """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
 
@@ -87,23 +100,27 @@ def stream_logprobs(
     position ``i`` instead of the trace's own token (``[T, m]`` out; distillation's student side).
     ``temperature``: log-probs of the tempered distribution the engine sampled from. ``entropy``
     appends a column with that distribution's entropy at each position (``[T, 2]`` per trace).
+    ``splice_forks``: SideQuest's forks fed inside their main trace's stream (:func:`streams`).
     """
     out: list[torch.Tensor | None] = [None] * len(traces)
     values: list[torch.Tensor | None] = [None] * len(traces)
-    for row, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens):
-        h = torch.cat([hidden[s : s + n - 1] for s, n in zip(packed.starts, packed.lengths, strict=True)])
+    for row_streams, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens, splice_forks):
+        plan = list(_queries(row_streams, packed, copy_shared=candidates is None))
+        h = hidden[torch.cat([q for *_, q in plan]).to(hidden.device)]
         if candidates is None:
-            targets = torch.cat([packed.tokens[s + 1 : s + n] for s, n in zip(packed.starts, packed.lengths)])
+            targets = torch.cat([torch.as_tensor(traces[k].tokens[lo:]) for k, _, lo, _ in plan])
         else:
-            targets = torch.cat([candidates[k][1:].to(h.device) for k in row])
-        lp = token_logprobs(model, h, targets, chunk=logits_chunk, temperature=temperature, entropy=entropy)
+            targets = torch.cat([candidates[k][1:] for k, *_ in plan])
+        lp = token_logprobs(model, h, targets.to(h.device), chunk=logits_chunk, temperature=temperature,
+                            entropy=entropy)  # fmt: skip
         v = value_head(h).float() if value_head is not None else None
         offset = 0
-        for k, n in zip(row, packed.lengths, strict=True):
-            out[k] = torch.cat([lp.new_zeros((1, *lp.shape[1:])), lp[offset : offset + n - 1]])
+        for k, m, lo, q in plan:  # a main trace comes before its forks
+            n = len(q)
+            out[k] = _join(lp.new_zeros((1, *lp.shape[1:])), out[m], lo, lp[offset : offset + n])
             if v is not None:
-                values[k] = torch.cat([v.new_zeros(1), v[offset : offset + n - 1]])
-            offset += n - 1
+                values[k] = _join(v.new_zeros(1), values[m], lo, v[offset : offset + n])
+            offset += n
     if value_head is not None:
         return out, values  # type: ignore[return-value]
     return out  # type: ignore[return-value]
@@ -118,14 +135,16 @@ def full_context(trace: Trace) -> Trace:
 def stream_topk(
     model: CausalLM, traces: list[Trace], k: int, *, backend: Backend = "chunked", chunk: int = 256,
     max_row_tokens: int | None = None, logits_chunk: int = 1024, temperature: float = 1.0,
+    splice_forks: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Per trace, the ``k`` most likely tokens at each position and their log-probs (``[T, k]``
     each; row 0 is empty): a distillation teacher's or the reference anchor's side."""
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(traces)
-    for row, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens):
-        for j, s, n in zip(row, packed.starts, packed.lengths, strict=True):
-            ids, lp = topk_logprobs(model, hidden[s : s + n - 1], k, logits_chunk, temperature)
-            out[j] = (torch.cat([ids[:1] * 0, ids]), torch.cat([lp[:1] * 0, lp]))
+    for row_streams, packed, hidden in _rows(model, traces, backend, chunk, max_row_tokens, splice_forks):
+        for j, m, lo, q in _queries(row_streams, packed, copy_shared=True):
+            ids, lp = topk_logprobs(model, hidden[q.to(hidden.device)], k, logits_chunk, temperature)
+            main = out[m] or (None, None)
+            out[j] = (_join(ids[:1] * 0, main[0], lo, ids), _join(lp[:1] * 0, main[1], lo, lp))
     return out  # type: ignore[return-value]
 
 

@@ -45,6 +45,7 @@ from compactrl.envs import CountConfig, EnvConfig, make_env
 from compactrl.envs.base import HELD_OUT_SEED
 from compactrl.models.loading import load_model, save_model
 from compactrl.models.lora import Adapters, gate_adapters, load_thread_adapter
+from compactrl.provenance import provenance
 from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
 from compactrl.rl.checkpoint import (
     latest_checkpoint,
@@ -490,6 +491,9 @@ def train(
     if cfg.cluster.trainer_workers > 1:  # the other ranks copy the (resumed) weights and optimizer
         trainer.start(cfg)
     start = loaded["step"]
+    weights = {"model": source, "thread_adapter": getattr(cfg.strategy, "thread_adapter", None)}
+    with open(run_dir / "provenance.jsonl", "a") as f:  # one line each time the run starts or resumes
+        f.write(json.dumps({"from_step": start} | provenance(weights)) + "\n")
     data_position = loaded["state"].get("data_position", start)  # the last batch of env seeds trained on
     earlier = loaded["state"]  # the run's time up to that checkpoint (wall_s leaves evaluations out)
     if start > cfg.steps:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from compactrl.masks import pack_greedy
+from compactrl.masks import pack_greedy, streams
 from compactrl.models.decoder import CausalLM
 from compactrl.models.lora import LoraSettings, add_lora, has_lora
 from compactrl.rl.forward import Backend, full_context, stream_logprobs, stream_topk
@@ -49,6 +49,12 @@ class TrainSettings(BaseModel):
     )
     grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm (None: no clipping)")
     micro_batch_tokens: int = Field(8192, ge=1, description="tokens per forward/backward")
+    splice_forks: bool = Field(
+        True,
+        description="SideQuest: feed each auxiliary thread's own tokens inside its main trace's stream "
+        "(one forward, the prefix once); false: each fork is a forward over its whole prefix (the "
+        "baseline `bench train-step` measures the splice against; the same log-probs)",
+    )
     norm: Norm = Field(
         "token",
         description="how per-token losses are reduced — token: over every trained token of the batch "
@@ -143,7 +149,11 @@ class Trainer:
         return torch.autocast(device, dtype=torch.bfloat16, enabled=s.precision == "bfloat16")
 
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        return pack_greedy([s.trace for s in samples], self.settings.micro_batch_tokens)
+        """Sample indices per micro-batch; an auxiliary thread's trace goes with its main trace's
+        (one stream in the forward, :func:`compactrl.masks.streams`)."""
+        ss = streams([s.trace for s in samples], self.settings.splice_forks)
+        rows = pack_greedy(ss, self.settings.micro_batch_tokens)
+        return [[k for j in row for k in ss[j].members] for row in rows]
 
     def step(self, samples: list[Sample], loss: Literal["pg", "sft", "distill"] | None = None) -> dict:
         """One optimizer step (``loss`` overrides the settings' for this step, e.g. an SFT warm-up
@@ -208,7 +218,7 @@ class Trainer:
         for mb in self.micro_batches(samples):
             traces = [samples[k].trace for k in mb]
             critic = self.value_head if samples[mb[0]].returns is not None else None
-            fwd = dict(backend=s.backend, max_row_tokens=s.micro_batch_tokens)
+            fwd = dict(backend=s.backend, max_row_tokens=s.micro_batch_tokens, splice_forks=s.splice_forks)
             candidates = teacher = None
             if s.loss == "distill":  # the model with full context teaches the evicted view: the frozen
                 # reference when there is one (a teacher sharing the student's weights drifts with it)

@@ -1,0 +1,66 @@
+"""What a result was made with: the weights it read (hashed), the package versions, the commit,
+the thread count and the CPU. Two runs of one config that disagree can then be told apart: the
+same hashes and versions point at the computation, a different hash at an earlier stage."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+PACKAGES = ("torch", "numpy", "tokenizers", "safetensors", "jinja2", "bm25s", "transformers", "peft", "gguf")
+
+
+def weights_hash(folder: str | Path) -> str | None:
+    """sha256 (first 16 hex digits) over a folder's ``*.safetensors`` in name order; None without any."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:  # about a second for SmolLM2's 540 MB
+        with open(f, "rb") as fh:
+            h.update(f.name.encode() + hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        here = Path(__file__).parent
+        out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(weights: dict[str, str | Path | None]) -> dict:
+    """``weights``: a name for each folder the result read (model, adapters) -> its folder."""
+    versions = {}
+    for p in PACKAGES:
+        try:
+            versions[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "weights": {k: weights_hash(v) for k, v in weights.items() if v},
+        "versions": versions | {"python": platform.python_version()},
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": None if dirty is None else bool(dirty),  # tracked files changed since the commit
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels torch dispatches to
+    }
