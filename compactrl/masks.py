@@ -175,14 +175,11 @@ def streams(traces: list[Trace], splice: bool = True) -> list[Stream]:
             (alone if m is None else attached[m]).append(k)
     out = []
     for m, forks in attached.items():
-        while True:
-            s = _tree(traces, m, forks)
-            ok = _exact(s, traces)
-            if all(ok):
-                break
+        s = _tree(traces, m, forks)
+        while len(s.members) > 1 and not all(ok := _exact(s, traces)):
             bad = [k for k, good in zip(s.members[1:], ok[1:], strict=True) if not (good and ok[0])]
             alone += bad
-            forks = [k for k in forks if k not in bad]
+            s = _tree(traces, m, [k for k in s.members[1:] if k not in bad])
         out.append(s)
     return out + [_alone(traces, k) for k in alone]
 
@@ -198,11 +195,11 @@ class PackedRow:
     lengths: list[int]
 
 
-def pack(streams: list[Stream | Trace], device: torch.device | str = "cpu") -> PackedRow:
+def pack(items: list[Stream | Trace], device: torch.device | str = "cpu") -> PackedRow:
     """Concatenate streams (a trace is fed at positions 0..T-1) into one row."""
     starts, lengths, toks, pos, ev = [], [], [], [], []
     offset = 0
-    for s in streams:
+    for s in items:
         T = len(s)
         starts.append(offset)
         lengths.append(T)

@@ -41,12 +41,11 @@ def test_bench_trains_the_same_tokens_from_more_forwarded_tokens(tmp_path):
 
 def test_bench_splices_sidequest_forks_and_feeds_fewer_tokens_than_forks_apart(tmp_path):
     sets = ["mode=stream", "objective=rl", "env.name=browse", "env.world_size=40", "strategy.name=sidequest",
-            "strategy.every=1", "rollout.max_turns=6", "prompts=1", "group_size=2"]  # fmt: skip
-    r = run_train_step_bench(load_config(TrainConfig, None, [*sets, f"out={tmp_path}"]), repeats=1)
+            "strategy.every=1", "rollout.max_turns=6", "prompts=1", "group_size=2",
+            f"out={tmp_path}"]  # fmt: skip
+    r = run_train_step_bench(load_config(TrainConfig, None, sets), repeats=1)
     assert r["aux_threads"] > 0 and r["forks_apart_samples"] == r["stream_samples"] == 2 + r["aux_threads"]
     assert r["forks_apart_tokens"] > r["stream_tokens"]  # each fork's prefix fed again
     assert np.isclose(r["forks_token_ratio"], r["forks_apart_tokens"] / r["stream_tokens"])
-    no_aux = run_train_step_bench(
-        load_config(TrainConfig, None, [*sets, f"out={tmp_path}", "train_aux=false"]), 1
-    )
+    no_aux = run_train_step_bench(load_config(TrainConfig, None, [*sets, "train_aux=false"]), repeats=1)
     assert no_aux["aux_threads"] == 0 and "forks_apart_s" not in no_aux

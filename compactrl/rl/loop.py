@@ -132,7 +132,7 @@ class TrainConfig(BaseModel):
     )  # fmt: skip
     train_aux: bool = Field(
         True, description="strategy.name = 'sidequest' (objective rl, rft, distill): train the auxiliary "
-        "threads' tokens too, with their episode's advantage (a forward over each thread's prefix); "
+        "threads' tokens too, with their episode's advantage (spliced into the main trace's forward); "
         "false: the main thread's only, the threads' deletions taken as the environment's (a partial "
         "gradient: the threads still run the policy's adapters, untrained)"
     )  # fmt: skip
