@@ -620,19 +620,21 @@ CALL_KEEP_CALLS = {"at": "call", "keep_unread": True, "keep_calls": True}
 
 
 @pytest.mark.parametrize(
-    "parallel,fork",
-    [(False, {}), (True, {}), (False, CALL_KEEP_CALLS)],
-    ids=["sequential", "parallel", "at-call"],
+    "mode,parallel,fork",
+    [("stream", False, {}), ("stream", True, {}), ("stream", False, CALL_KEEP_CALLS), ("reprefill", 0, {})],
+    ids=["sequential", "parallel", "at-call", "reprefill"],
 )
-def test_forks_train_spliced_into_their_main_trace_in_one_forward(setup, parallel, fork):
+def test_forks_train_spliced_into_their_main_trace_in_one_forward(setup, mode, parallel, fork):
     """Each fork's own tokens join its main trace's stream (evicted where they end): one forward
     gives every trace's log-probs and gradients as its own forward does, with fewer tokens fed."""
     _, _, model = setup
-    results = play(setup, "stream", parallel=parallel, seeds=[3, 4, 5], **fork)
+    results = play(setup, mode, parallel=parallel, seeds=[3, 4, 5], **fork)
     traces = [x for r in results for x in [*r.traces, *r.aux_traces]]
-    ss = streams(traces)
-    assert len(ss) == len(results) and sum(r.aux_calls for r in results) > len(results)  # all spliced
-    assert sum(map(len, ss)) < 0.5 * sum(map(len, traces))  # each prefix fed once, not once a fork
+    ss = streams(traces)  # a re-prefill rollout's forks join the segment they forked from
+    mains = sum(len(r.traces) for r in results)
+    assert len(ss) == mains and sum(r.aux_calls for r in results) > len(results)  # all spliced
+    fed = sum(len(t) - t.meta.get("fork_at", 0) for t in traces)  # each prefix once, not once a fork
+    assert sum(map(len, ss)) == fed < 0.6 * sum(map(len, traces))
     params = [p for p in model.parameters() if p.requires_grad]
 
     def run(groups):  # log-probs of every trace, and the gradient of their trainable sum
