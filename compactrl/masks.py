@@ -140,18 +140,17 @@ def _tree(traces: list[Trace], m: int, forks: list[int]) -> Stream:
     return Stream([m, *forks], index, [0, *at.tolist()], tokens, positions, evict_at, thread)
 
 
-def _sees(evict_at: np.ndarray) -> np.ndarray:
-    i = np.arange(len(evict_at))
-    return (i[None, :] <= i[:, None]) & (i[:, None] < evict_at[None, :])
-
-
 def _exact(s: Stream, traces: list[Trace]) -> list[bool]:
-    """Per member: its queries see in the stream exactly the keys they saw in its own trace."""
-    sees = _sees(s.evict_at)
+    """Per member: its queries see in the stream exactly the keys they saw in its own trace. Key
+    ``j`` is seen by the member's queries ``[j, evict_at[j])``; in the stream by the member's
+    queries before the first one at or past its stream ``evict_at``; a key of another member must
+    be seen by none of them. O(L log L): no L x L mask."""
     out = []
     for k, idx in zip(s.members, s.index, strict=True):
-        own, rows = _sees(traces[k].evict_at), sees[idx]
-        out.append(np.array_equal(rows[:, idx], own) and np.array_equal(rows.sum(1), own.sum(1)))
+        own = np.searchsorted(idx, s.evict_at[idx]) == traces[k].evict_at
+        other = np.setdiff1d(np.arange(len(s)), idx)
+        unseen = np.searchsorted(idx, other) == np.searchsorted(idx, s.evict_at[other])
+        out.append(bool(own.all() and unseen.all()))
     return out
 
 
