@@ -36,7 +36,8 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -61,6 +62,6 @@ def provenance(weights: dict[str, str | Path | None]) -> dict:
         "commit": _git("rev-parse", "HEAD"),
         "dirty": None if dirty is None else bool(dirty),  # tracked files changed since the commit
         "threads": torch.get_num_threads(),
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels torch dispatches to
     }

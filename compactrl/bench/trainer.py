@@ -34,21 +34,14 @@ from compactrl.bench.synthetic import STRATEGIES, Strategy, kept_per_compaction,
 from compactrl.models.decoder import CausalLM, token_logprobs
 from compactrl.models.loading import config_summary, load_model
 from compactrl.models.tiny import write_tiny_model
+from compactrl.provenance import cpu_name
 from compactrl.rl.forward import Backend, Segment, reprefill_segments, stream_logprobs
 from compactrl.trace import Trace
 
 
 def machine_info(threads: int, device: str = "cpu") -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,

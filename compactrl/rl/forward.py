@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -53,10 +54,14 @@ def _rows(model: CausalLM, traces: list[Trace], backend: Backend, chunk: int, ma
         row_streams = [ss[k] for k in row]
         packed = pack(row_streams, device)
         mask = _row_mask(packed.evict_at, backend, chunk)
-        thread = lambda ss=row_streams: torch.as_tensor(np.concatenate([s.thread for s in ss]), device=device)  # noqa: E731
-        with adapter_mask(model, thread):  # built only for a gated thread adapter: where it acts
+        with adapter_mask(model, partial(_thread_tokens, row_streams, device)):
             hidden = model.hidden_states(packed.tokens, packed.positions, mask)[0]
         yield row_streams, packed, hidden
+
+
+def _thread_tokens(row_streams: list[Stream], device) -> torch.Tensor:
+    """A packed row's auxiliary-thread tokens (where a gated thread adapter acts)."""
+    return torch.as_tensor(np.concatenate([s.thread for s in row_streams]), device=device)
 
 
 def _queries(row_streams: list[Stream], packed, copy_shared: bool):
