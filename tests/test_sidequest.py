@@ -375,8 +375,23 @@ def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_adv
     aux = sum(int(t.trainable.sum()) for r in results for t in r.aux_traces)
     assert last["phase"] == "rl" and last["errors"] == 0 and aux > 0 and sum(r.aux_calls for r in results) > 0
     assert last["trained_tokens"] == main + aux
+    by_hops = {k for k in last if k.startswith("reward_hops")}
+    assert by_hops == {f"reward_hops{r.info['hops']}" for r in results}
     with pytest.raises(ConfigError, match="advantage = 'gae' values the main thread only"):
         load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, "advantage=gae"])
+
+
+def test_an_rl_step_reports_its_reward_per_hop_count():
+    """A batch of mixed difficulty: the step row splits the mean reward by the env's hop count, so
+    a gain on two-hop questions cannot hide a loss on four-hop ones; episodes that name none are left out."""
+    from compactrl.agent.rollout import EpisodeResult
+    from compactrl.rl.loop import rewards_by_hops
+
+    results = [EpisodeResult(i, 0, "browse", "stream", "sidequest", info={"hops": h} if h else {})
+               for i, h in enumerate((2, 4, 2, 4, 3, None))]  # fmt: skip
+    rewards = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    want = {"reward_hops2": 1.0, "reward_hops3": 0.0, "reward_hops4": 0.5}
+    assert rewards_by_hops(results, rewards) == want
 
 
 # ---- the thread adapter ------------------------------------------------------------------------------

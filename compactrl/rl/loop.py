@@ -669,6 +669,7 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         "compactions": float(np.mean([r.compactions for r in results])),
         "reprefilled_tokens": float(np.mean([r.reprefilled_tokens for r in results])),
         "peak_kv": float(np.mean([r.peak_kv_with_threads for r in results])),  # with auxiliary threads
+        **rewards_by_hops(results, rewards),
         **{k: v for k, v in stats.items() if k != "train_s"},
         "generate_s": t1 - t0,  # with a background sampler: the wait for its batch
         "train_s": stats["train_s"],
@@ -678,6 +679,13 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         **faults,
     }
     return last
+
+
+def rewards_by_hops(results, rewards: np.ndarray) -> dict:
+    """``reward_hops{n}``: the step's mean reward over its episodes of n hops, for envs that say
+    (browse): a batch of mixed difficulty can gain on the easy questions while losing the hard."""
+    hops = np.array([r.info.get("hops", -1) for r in results])
+    return {f"reward_hops{h}": float(rewards[hops == h].mean()) for h in sorted(set(hops) - {-1})}
 
 
 def _updates(cfg: TrainConfig, trainer: Trainer, samples: list[Sample], loss: str, step: int) -> dict:
