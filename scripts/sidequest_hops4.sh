@@ -2,12 +2,14 @@
 # The four-hop SideQuest study from nothing, one stage after another (each skipped when its
 # checkpoint is there; a stage cut off resumes from its newest checkpoint): the SmolLM2 import,
 # the two-hop browse policy, the 2-4 hop policy, the keep_calls call thread adapter, RL of the
-# policy under that thread, and the bench rows that compare them. On a 2-core CPU: about 35 + 40 +
-# 15 minutes before RL, then 4 minutes an RL step (rl_main_hops4.toml has 30) and 6-20 minutes a
-# bench row. Thread counts are the ones the README's numbers were measured with (one rebuild
+# policy under that thread (per-prompt group baselines, rl_main_hops4_group.toml; the earlier
+# leave-one-out run is rl_main_hops4.toml), and the bench rows that compare them. On a 2-core CPU:
+# about 30 + 35 + 15 minutes before RL, then about 4 minutes an RL step (12 steps) and 5-20 minutes
+# a bench row. Thread counts are the ones the README's numbers were measured with (one rebuild
 # reproduced the 2-4 hop policy's full row exactly, a later one did not: 0.35 at 685 against 0.34
 # at 671; see the README).
-# Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: the RL and every-2 rows)
+# Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: full context, the RL rows,
+# every 2 and the SnapKV budgets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hops4=runs/browse/sft_smollm2_hops4/checkpoints/step_00000080/model
@@ -24,11 +26,11 @@ stage "$hops4" runs/browse/sft_smollm2_hops4 compactrl train configs/browse/sft_
 stage "$thread/checkpoints/step_00000012" "$thread" compactrl train configs/sidequest/train_thread.toml \
   --set model.path="$hops4" --set env.max_hops=4 --set strategy.at=call --set strategy.keep_unread=true \
   --set strategy.keep_calls=true --set out="$thread" --set threads=1
-stage runs/sidequest/rl_main_hops4/checkpoints/step_00000030 runs/sidequest/rl_main_hops4 \
-  compactrl train configs/sidequest/rl_main_hops4.toml
+stage runs/sidequest/rl_main_hops4_group/checkpoints/step_00000012 runs/sidequest/rl_main_hops4_group \
+  compactrl train configs/sidequest/rl_main_hops4_group.toml
 rows=("$@")
-[ ${#rows[@]} -gt 0 ] || rows=(rl-main-thread4call-keep-calls-sequential rl-main-full
-                               hops4-thread4call-keep-calls-sequential-every2)
+[ ${#rows[@]} -gt 0 ] || rows=(hops4-policy-full rl-group-thread4call-keep-calls-sequential rl-group-full
+                               hops4-thread4call-keep-calls-sequential-every2 hops4-snapkv-300 hops4-snapkv-256)
 for row in "${rows[@]}"; do
   compactrl bench memory configs/bench/sidequest_hops4.toml --only "$row" --set threads=1
 done
