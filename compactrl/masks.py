@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compactrl.compaction.sidequest import thread_mask
 from compactrl.trace import Trace
 
 
@@ -106,7 +105,7 @@ class Stream:
 def _alone(traces: list[Trace], k: int) -> Stream:
     t = traces[k]
     at = np.arange(len(t))
-    return Stream([k], [at], [0], t.tokens, at, t.evict_at, thread_mask(t))
+    return Stream([k], [at], [0], t.tokens, at, t.evict_at, t.thread_mask())
 
 
 def _tree(traces: list[Trace], m: int, forks: list[int]) -> Stream:

@@ -130,6 +130,14 @@ class Trace:
     def num_evicted(self) -> int:
         return int((self.evict_at < len(self)).sum())
 
+    def thread_mask(self) -> np.ndarray:
+        """The tokens an auxiliary thread (``meta["aux"]``) wrote or was prompted with, from its
+        ``fork_at`` on; none in a main trace. A thread adapter (gated LoRA) acts on exactly these."""
+        own = np.zeros(len(self), bool)
+        if self.meta.get("aux"):
+            own[self.meta["fork_at"] :] = True
+        return own
+
     def visible(self, i: int) -> np.ndarray:
         """Indices of the keys query ``i`` attends: what the model saw when it fed token i."""
         j = np.arange(i + 1)

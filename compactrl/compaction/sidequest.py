@@ -84,15 +84,6 @@ class AuxThread:
         return [c for c in named if c in live], [c for c in named if c not in live]
 
 
-def thread_mask(trace: Trace) -> np.ndarray:
-    """The tokens an auxiliary thread wrote or was prompted with (from its fork point on); none in
-    a main trace. A thread adapter (gated LoRA) acts on exactly these."""
-    own = np.zeros(len(trace), bool)
-    if trace.meta.get("aux"):
-        own[trace.meta["fork_at"] :] = True
-    return own
-
-
 # ---- hindsight: what each cursor was used for, once the episode is over -------------------------------
 @dataclass(frozen=True)
 class Action:
