@@ -155,6 +155,40 @@ def test_keep_calls_deletes_a_cursors_output_and_keeps_its_call(setup, mode):
         assert logprob_gap(model, t, full_context(t)) > 1e-3  # negative control
 
 
+@pytest.mark.parametrize("mode", ["stream", "reprefill"])
+def test_keep_titles_leaves_each_deleted_outputs_first_line(setup, mode):
+    """keep_titles: the thread deletes what it would delete whole, but each deleted output's first
+    line ("[Cursor c] <title>") stays in the main thread (stream: not evicted; reprefill: rendered
+    again); engine == trainer; what stays live is the whole deletion's plus those lines."""
+    _, fmt, model = setup
+    whole = play(setup, "stream")
+    results = play(setup, mode, keep_titles=True)
+    for r, w in zip(results, whole, strict=True):
+        assert r.reward == 1.0 and r.deleted_cursors == w.deleted_cursors > 0
+        assert max(logprob_gap(model, x) for x in r.traces + r.aux_traces) < 5e-5
+        (s,) = w.traces
+        gone = sorted(set(s.cursor[s.evict_at < len(s)].tolist()))
+        if mode == "reprefill":  # the last segment: every deleted output's title line, nothing else of it
+            text = fmt.tokenizer.decode(r.traces[-1].tokens.tolist())
+            for c in gone:
+                assert f"[Cursor {c}]" in text
+            assert len(r.traces[-1]) < len(s)
+            continue
+        (t,) = r.traces
+        assert np.array_equal(t.tokens, s.tokens)
+        kept = (t.evict_at == len(t)) & (s.evict_at < len(s))  # deleted whole there, live here
+        lines = [x for x in fmt.tokenizer.decode(t.tokens[kept].tolist()).splitlines() if x.strip()]
+        assert len(lines) == len(gone)  # one line per deleted cursor, and it is its first line
+        for c, line in zip(gone, lines, strict=True):
+            assert line.lstrip().startswith(f"[Cursor {c}]")
+            first = fmt.tokenizer.decode(s.tokens[(s.cursor == c) & (np.array(s.role) == "user")].tolist())
+            assert line.strip() == first.split("\n")[1].strip()  # (line 0 is the chat header)
+        assert (t.cursor[kept] == NO_CURSOR).all()  # a title is no part of what its cursor's deletion removes
+        live, whole_live = (int((x.evict_at == len(x)).sum()) for x in (t, s))
+        assert live == whole_live + int(kept.sum()) and r.peak_live_kv >= w.peak_live_kv
+        assert logprob_gap(model, t, full_context(t)) > 1e-3  # negative control
+
+
 def test_keep_calls_forked_after_the_call_needs_keep_unread():
     with pytest.raises(ValueError, match="keep_calls with at = 'call' needs keep_unread"):
         SideQuestConfig(keep_calls=True, at="call")
@@ -197,22 +231,34 @@ def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
 
 
 # ---- hindsight labels -------------------------------------------------------------------------------
-@pytest.mark.parametrize("at, keep_calls", [(a, k) for k in (False, True) for a in ("output", "call")])
-def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at, keep_calls):
+@pytest.mark.parametrize(
+    "at, keep_calls, keep_titles",
+    [(a, k, False) for k in (False, True) for a in ("output", "call")]
+    + [("output", False, True), ("call", True, True)],
+)
+def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at, keep_calls, keep_titles):
     """The labeller on a full-context solver trace, with D = what expired at earlier calls, builds
     the runner's sequential SideQuest forks token for token, mask for mask, trained tokens included;
     so does it on the SideQuest stream itself (what earlier calls deleted is already out of it);
     forked after the tool's output or after the call, before its output; D deleted whole or
-    (keep_calls) its outputs only."""
+    (keep_calls) its outputs only, and (keep_titles) less each output's first line."""
     import random
 
     from compactrl.rl.sidequest import hindsight_samples
 
     _, fmt, _ = setup
-    label = dict(split="history", at=at, keep_calls=keep_calls)
+    label = dict(split="history", at=at, keep_calls=keep_calls, keep_titles=keep_titles)
     for every in (1, 2):
         full = play(setup, "full", every=every)
-        seq = play(setup, "stream", every=every, at=at, keep_calls=keep_calls, keep_unread=keep_calls)
+        seq = play(
+            setup,
+            "stream",
+            every=every,
+            at=at,
+            keep_calls=keep_calls,
+            keep_unread=keep_calls,
+            keep_titles=keep_titles,
+        )
         for f, s in zip(full, seq, strict=True):
             samples = hindsight_samples(f.traces[0], fmt, every, random.Random(0), **label)
             again = hindsight_samples(s.traces[0], fmt, every, random.Random(0), **label)
@@ -223,6 +269,10 @@ def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at,
                 assert np.array_equal(x.turn, a.turn)
             said = [x.meta for x in samples]
             assert any(m["deleted"] for m in said) and any(m["target"] for m in said)  # both parts used
+            if keep_titles:  # negative control: a labeller that deletes the titles too builds other masks
+                bare = label | {"keep_titles": False}
+                bare = hindsight_samples(f.traces[0], fmt, every, random.Random(0), **bare)
+                assert any(not np.array_equal(x.evict_at, a.evict_at) for x, a in zip(bare, s.aux_traces))
 
 
 def hand_made_trace():

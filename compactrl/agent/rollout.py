@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, Strategy
-from compactrl.compaction.sidequest import AuxThread, aux_answer, parse_deletions
+from compactrl.compaction.sidequest import AuxThread, aux_answer, parse_deletions, title_span
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.envs.base import Env, EnvError, guarded
 from compactrl.trace import NO_CURSOR, Trace
@@ -36,6 +36,7 @@ from compactrl.trace import NO_CURSOR, Trace
 MODES = ("full", "reprefill", "stream")
 HEAD = -1  # owner of the protected system/task head
 AUX = -2  # owner of a compaction request and its answer (deleted unless kept)
+TITLE = -3  # owner of a tool output's first line that SideQuest's keep_titles leaves when it deletes
 NON_COMPLETION = ("unparsable", "turn_limit", "position_limit", "error")  # why an episode did not finish
 
 
@@ -213,6 +214,19 @@ class Episode:
         """Append a whole message, rendered by the model's chat template."""
         turn = len(self.chat.messages)
         self._add(owner, self.chat.message(role, text), role, turn)
+
+    def _output(self, sid: int, text: str) -> None:
+        """Append a tool output; under SideQuest's keep_titles its first line is a piece of no step
+        (no cursor label either), so deleting the cursor leaves it."""
+        c = self.cursor_of.get(sid)
+        if not (self.sidequest and self.strategy.plan.keep_titles and c is not None):
+            return self._message(sid, "user", text)
+        turn = len(self.chat.messages)
+        ids = self.chat.message("user", text)
+        a, b = title_span(self.fmt.tokenizer, ids, c)
+        for owner, part in ((sid, ids[:a]), (TITLE, ids[a:b]), (sid, ids[b:])):
+            if part:
+                self._add(owner, part, "user", turn)
 
     async def _generate(
         self, owner: int, role: str, max_tokens: int, ctx: Context | None = None
@@ -483,7 +497,7 @@ class Episode:
                 elif self.strategy is not None and self.strategy.trigger(ctx):
                     await self._compact(ctx)
                     since = 0
-                self._message(sid, "user", out.observation)
+                self._output(sid, out.observation)
                 if self.sidequest and self.strategy.plan.at == "output":
                     await self._aux_call(ctx)
                 hint = out.max_tokens

@@ -144,6 +144,10 @@ class SideQuestConfig(_Config):
         False, description="a deleted cursor loses its tool output only; the call that made it stays "
         "(a ~15-token record of each hop the policy can count); false: the call goes with it"
     )  # fmt: skip
+    keep_titles: bool = Field(
+        False, description="a deleted cursor's output keeps its first line ('[Cursor c] <page title>', "
+        "~11 tokens), so the policy still sees which page each hop reached; false: the output goes whole"
+    )  # fmt: skip
     trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
     thread_adapter: str | None = Field(
@@ -202,7 +206,15 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(
             cfg.name,
             AuxEvery(cfg.every),
-            AuxThread(cfg.trigger, cfg.max_tokens, cfg.parallel, cfg.at, cfg.keep_unread, cfg.keep_calls),
+            AuxThread(
+                cfg.trigger,
+                cfg.max_tokens,
+                cfg.parallel,
+                cfg.at,
+                cfg.keep_unread,
+                cfg.keep_calls,
+                cfg.keep_titles,
+            ),
             params,
         )
     raise TypeError(f"unknown strategy config {cfg!r}")

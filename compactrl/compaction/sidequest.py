@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from compactrl.compaction.base import Context
-from compactrl.trace import Trace
+from compactrl.trace import NO_CURSOR, Trace
 
 TRIGGER = "Memory management mode"
 _ANSWER = re.compile(r'\{\s*"del_cursors"\s*:\s*\[[^\[\]{}]*\]\s*\}')
@@ -75,6 +75,7 @@ class AuxThread:
     at: str = "output"  # fork after the tool's output lands, or after the call ("call")
     keep_unread: bool = False  # the output of the action the thread was called after is never deleted
     keep_calls: bool = False  # a deleted cursor's output goes, the call that made it stays
+    keep_titles: bool = False  # a deleted cursor's first line ("[Cursor c] <title>") stays
 
     def split(self, answer: str, live: set[int]) -> tuple[list[int] | None, list[int]]:
         """(live cursors to delete, named cursors that are not live); None: unparsable."""
@@ -134,16 +135,45 @@ def fork_point(trace: Trace, acts: list[Action], t: int, at: str = "output") -> 
     return int(np.flatnonzero(trace.turn > trace.turn[acts[t - 2].end])[0])
 
 
-def deletable(trace: Trace, keep_calls: bool = False) -> np.ndarray:
+def title_span(tokenizer, ids: list[int], cursor: int) -> tuple[int, int]:
+    """The tokens of cursor ``cursor``'s output message that hold its first line, ``[Cursor c]
+    <title>`` and its newline ((0, 0) if there is none): what ``keep_titles`` leaves of a deleted
+    cursor, a ~11-token record of which page each hop reached."""
+    text = tokenizer.decode(ids)
+    i = text.find(f"[Cursor {cursor}]")
+    if i < 0:
+        return 0, 0
+    j = text.find("\n", i)
+    j = len(text) - 1 if j < 0 else j
+    ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]  # char end of each token
+    a = next(k for k, e in enumerate(ends) if e > i)
+    return a, next(k for k, e in enumerate(ends) if e > j) + 1
+
+
+def title_mask(trace: Trace, tokenizer) -> np.ndarray:
+    """The tokens of each cursor's output that hold its first line (see :func:`title_span`)."""
+    out = np.zeros(len(trace), dtype=bool)
+    user = np.asarray(trace.role) == "user"
+    for c in set(trace.cursor[user].tolist()) - {NO_CURSOR}:
+        idx = np.flatnonzero(user & (trace.cursor == c))
+        a, b = title_span(tokenizer, trace.tokens[idx].tolist(), c)
+        out[idx[a:b]] = True
+    return out
+
+
+def deletable(trace: Trace, keep_calls: bool = False, titles: np.ndarray | None = None) -> np.ndarray:
     """The tokens a cursor's deletion removes, of those labelled with it: its call and its output,
-    or (``keep_calls``) its output only (the tool's user message)."""
-    return np.asarray(trace.role) == "user" if keep_calls else np.ones(len(trace), dtype=bool)
+    or (``keep_calls``) its output only (the tool's user message); ``titles``: tokens it leaves."""
+    out = np.asarray(trace.role) == "user" if keep_calls else np.ones(len(trace), dtype=bool)
+    return out if titles is None else out & ~titles
 
 
-def live_at(trace: Trace, cursors, b: int, keep_calls: bool = False) -> list[int]:
+def live_at(
+    trace: Trace, cursors, b: int, keep_calls: bool = False, titles: np.ndarray | None = None
+) -> list[int]:
     """The ``cursors`` a thread forked at ``b`` sees open: some token a deletion would remove is
     in before ``b`` and not evicted by then."""
-    held = (trace.evict_at[:b] >= b) & deletable(trace, keep_calls)[:b]
+    held = (trace.evict_at[:b] >= b) & deletable(trace, keep_calls, titles)[:b]
     return [c for c in cursors if (held & (trace.cursor[:b] == c)).any()]
 
 

@@ -392,7 +392,7 @@ def _sidequest_step(cfg: TrainConfig, engine, fmt: ChatFormat, trainer: Trainer,
     main = [r.traces[0] for r in results if r.reward >= 1.0 and r.error is None]
     labels = random.Random(f"sidequest/{cfg.seed}/{step}")  # the same split when resumed
     every, trigger = strategy.every, strategy.trigger
-    fork = {"at": strategy.at, "keep_calls": strategy.keep_calls}
+    fork = {"at": strategy.at, "keep_calls": strategy.keep_calls, "keep_titles": strategy.keep_titles}
     aux = [x for t in main for x in hindsight_samples(t, fmt, every, labels, sq.split, trigger, **fork)]
     out = {"step": step, "phase": "sidequest", "correct": len(main) / len(results), "aux_samples": len(aux)}
     if not aux:

@@ -34,6 +34,7 @@ from compactrl.compaction.sidequest import (
     fork_point,
     last_use,
     live_at,
+    title_mask,
 )
 from compactrl.trace import NO_CURSOR, Trace
 
@@ -55,11 +56,13 @@ def hindsight_samples(
     trigger: str = TRIGGER,
     at: str = "output",
     keep_calls: bool = False,
+    keep_titles: bool = False,
 ) -> list[Trace]:
     """One training sample per auxiliary call of a correct trace (one stream: full context or stream
     mode; a re-prefill episode's segments are not one stream), forked where the runner forks
     (``at``: after the tool's output, or after the call, before it); ``keep_calls``: a cursor of
-    ``D`` loses its output only, as the runner deletes then."""
+    ``D`` loses its output only, as the runner deletes then; ``keep_titles``: each output's first line
+    stays (see :func:`compactrl.compaction.sidequest.title_span`)."""
     acts = actions_of(trace)
     last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
     calls = aux_calls(len(acts), every)
@@ -67,11 +70,12 @@ def hindsight_samples(
     first_expired = {c: min((t for t in calls if l < t), default=None) for c, l in last.items()}
     message, prompt = aux_prefix(fmt, trigger)
     stop = fmt.stop_ids[0]
-    removed = deletable(trace, keep_calls)
+    titles = title_mask(trace, fmt.tokenizer) if keep_titles else None
+    removed = deletable(trace, keep_calls, titles)
     samples = []
     for t in calls:
         b = at[t]
-        live = live_at(trace, sorted(made), b, keep_calls)
+        live = live_at(trace, sorted(made), b, keep_calls, titles)
         expired = [c for c in live if last[c] < t]
         if split == "history":
             gone = [c for c in expired if first_expired[c] < t]
