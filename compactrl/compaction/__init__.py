@@ -206,15 +206,7 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(
             cfg.name,
             AuxEvery(cfg.every),
-            AuxThread(
-                cfg.trigger,
-                cfg.max_tokens,
-                cfg.parallel,
-                cfg.at,
-                cfg.keep_unread,
-                cfg.keep_calls,
-                cfg.keep_titles,
-            ),
+            AuxThread(**cfg.model_dump(include=set(AuxThread.__dataclass_fields__))),
             params,
         )
     raise TypeError(f"unknown strategy config {cfg!r}")
