@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The four-hop SideQuest study from nothing, one stage after another (each skipped when its
 # checkpoint is there; a stage cut off resumes from its newest checkpoint): the SmolLM2 import,
-# the two-hop browse policy, the 2-4 hop policy, the keep_calls call thread adapter, RL of the
-# policy under that thread (per-prompt group baselines, rl_main_hops4_group.toml; the earlier
-# leave-one-out run is rl_main_hops4.toml), and the bench rows that compare them. On a 2-core CPU:
-# about 30 + 35 + 15 minutes before RL, then about 4 minutes an RL step (12 steps) and 5-20 minutes
-# a bench row. Thread counts are the ones the README's numbers were measured with (one rebuild
-# reproduced the 2-4 hop policy's full row exactly, a later one did not: 0.35 at 685 against 0.34
-# at 671; see the README).
+# the two-hop browse policy, the 2-4 hop policy, the keep_calls call thread adapter (and one
+# trained with keep_titles), RL of the policy under that thread (per-prompt group baselines,
+# rl_main_hops4_group.toml; the earlier leave-one-out run is rl_main_hops4.toml), and the bench
+# rows that compare them. On a 2-core CPU: about 30 + 35 + 15 minutes before RL, then about 4
+# minutes an RL step (12 steps) and 5-20 minutes a bench row. Thread counts are the ones the
+# README's numbers were measured with. The build depends on the CPU: AMD EPYC builds gave the 2-4
+# hop policy's full row as 0.34 at 671, Intel Xeon builds 0.35 at 685 (see the README).
 # Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: full context, the RL rows,
 # every 2 and the SnapKV budgets)
 set -euo pipefail
@@ -26,6 +26,9 @@ stage "$hops4" runs/browse/sft_smollm2_hops4 compactrl train configs/browse/sft_
 stage "$thread/checkpoints/step_00000012" "$thread" compactrl train configs/sidequest/train_thread.toml \
   --set model.path="$hops4" --set env.max_hops=4 --set strategy.at=call --set strategy.keep_unread=true \
   --set strategy.keep_calls=true --set out="$thread" --set threads=1
+stage "${thread}_titles/checkpoints/step_00000012" "${thread}_titles" compactrl train configs/sidequest/train_thread.toml \
+  --set model.path="$hops4" --set env.max_hops=4 --set strategy.at=call --set strategy.keep_unread=true \
+  --set strategy.keep_calls=true --set strategy.keep_titles=true --set out="${thread}_titles" --set threads=1
 stage runs/sidequest/rl_main_hops4_group/checkpoints/step_00000012 runs/sidequest/rl_main_hops4_group \
   compactrl train configs/sidequest/rl_main_hops4_group.toml
 rows=("$@")
