@@ -2,14 +2,15 @@
 # The four-hop SideQuest study from nothing, one stage after another (each skipped when its
 # checkpoint is there; a stage cut off resumes from its newest checkpoint): the SmolLM2 import,
 # the two-hop browse policy, the 2-4 hop policy, the keep_calls call thread adapter (and one
-# trained with keep_titles), RL of the policy under that thread (per-prompt group baselines,
-# rl_main_hops4_group.toml; the earlier leave-one-out run is rl_main_hops4.toml), and the bench
-# rows that compare them. On a 2-core CPU: about 30 + 35 + 15 minutes before RL, then about 4
-# minutes an RL step (12 steps) and 5-20 minutes a bench row. Thread counts are the ones the
-# README's numbers were measured with. The build depends on the CPU: AMD EPYC builds gave the 2-4
-# hop policy's full row as 0.34 at 671, Intel Xeon builds 0.35 at 685 (see the README).
-# Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: full context, the RL rows,
-# every 2 and the SnapKV budgets)
+# trained with keep_titles), the bench rows that decide the issue's bar and their replicate, and
+# last RL of the policy under the thread (per-prompt group baselines, rl_main_hops4_group.toml;
+# the earlier leave-one-out run is rl_main_hops4.toml). On a 2-core CPU: about 30 + 35 + 15 + 15
+# minutes of training, 5-20 minutes a bench row, then about 4 minutes an RL step (12 steps).
+# Thread counts are the ones the README's numbers were measured with. The build depends on the
+# CPU: the AMD EPYC build of the README's earlier rows gave the 2-4 hop policy's full row as 0.34
+# at 671, the Intel Xeon builds 0.35 at 685 (see the README).
+# Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: the rows that decide the bar:
+# full context, SideQuest every 2nd action, SnapKV, keep_last_cursors; then the replicate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hops4=runs/browse/sft_smollm2_hops4/checkpoints/step_00000080/model
@@ -29,11 +30,14 @@ stage "$thread/checkpoints/step_00000012" "$thread" compactrl train configs/side
 stage "${thread}_titles/checkpoints/step_00000012" "${thread}_titles" compactrl train configs/sidequest/train_thread.toml \
   --set model.path="$hops4" --set env.max_hops=4 --set strategy.at=call --set strategy.keep_unread=true \
   --set strategy.keep_calls=true --set strategy.keep_titles=true --set out="${thread}_titles" --set threads=1
-stage runs/sidequest/rl_main_hops4_group/checkpoints/step_00000012 runs/sidequest/rl_main_hops4_group \
-  compactrl train configs/sidequest/rl_main_hops4_group.toml
 rows=("$@")
-[ ${#rows[@]} -gt 0 ] || rows=(hops4-policy-full rl-group-thread4call-keep-calls-sequential rl-group-full
-                               hops4-thread4call-keep-calls-sequential-every2 hops4-snapkv-300 hops4-snapkv-256)
+[ ${#rows[@]} -gt 0 ] || rows=(hops4-policy-full hops4-thread4call-sequential-every2 hops4-snapkv-310
+                               hops4-snapkv-at-every2-peak hops4-keep-last-cursors-2
+                               hops4-thread4call-keep-calls-sequential-every2)
 for row in "${rows[@]}"; do
   compactrl bench memory configs/bench/sidequest_hops4.toml --only "$row" --set threads=1
 done
+[ $# -gt 0 ] || compactrl bench memory configs/bench/sidequest_hops4_replicate.toml --set threads=1
+# the RL run under the thread (its rows: rl-group-*), last: the rows above do not need it
+stage runs/sidequest/rl_main_hops4_group/checkpoints/step_00000012 runs/sidequest/rl_main_hops4_group \
+  compactrl train configs/sidequest/rl_main_hops4_group.toml
