@@ -124,17 +124,23 @@ def test_parallel_deletions_land_a_boundary_after_the_fork(setup):
         assert logprob_gap(model, t) < 5e-5
 
 
+def beside_whole_deletions(setup, mode, **kept):
+    """Each episode played with ``kept`` (what a deletion leaves), beside the same episode deleting
+    cursors whole in stream mode: it solves, deletes the same cursors, and engine == trainer."""
+    model = setup[2]
+    for r, w in zip(play(setup, mode, **kept), play(setup, "stream"), strict=True):
+        assert r.reward == 1.0 and r.deleted_cursors == w.deleted_cursors > 0
+        assert max(logprob_gap(model, x) for x in r.traces + r.aux_traces) < 5e-5
+        yield r, w
+
+
 @pytest.mark.parametrize("mode", ["stream", "reprefill"])
 def test_keep_calls_deletes_a_cursors_output_and_keeps_its_call(setup, mode):
     """keep_calls: the thread deletes what it would delete whole, but only the tool outputs go; the
     calls stay in the main thread (stream: not evicted; reprefill: rendered again), engine ==
     trainer; what stays live is the whole deletion's plus the kept calls."""
     _, fmt, model = setup
-    whole = play(setup, "stream")
-    results = play(setup, mode, keep_calls=True)
-    for r, w in zip(results, whole, strict=True):
-        assert r.reward == 1.0 and r.deleted_cursors == w.deleted_cursors > 0
-        assert max(logprob_gap(model, x) for x in r.traces + r.aux_traces) < 5e-5
+    for r, w in beside_whole_deletions(setup, mode, keep_calls=True):
         if mode == "reprefill":  # the last segment holds every call and no deleted output
             last, (s,) = r.traces[-1], w.traces
             gone = set(s.cursor[s.evict_at < len(s)].tolist())
@@ -161,14 +167,10 @@ def test_keep_titles_leaves_each_deleted_outputs_first_line(setup, mode):
     line ("[Cursor c] <title>") stays in the main thread (stream: not evicted; reprefill: rendered
     again); engine == trainer; what stays live is the whole deletion's plus those lines."""
     _, fmt, model = setup
-    whole = play(setup, "stream")
-    results = play(setup, mode, keep_titles=True)
-    for r, w in zip(results, whole, strict=True):
-        assert r.reward == 1.0 and r.deleted_cursors == w.deleted_cursors > 0
-        assert max(logprob_gap(model, x) for x in r.traces + r.aux_traces) < 5e-5
+    for r, w in beside_whole_deletions(setup, mode, keep_titles=True):
         (s,) = w.traces
         gone = sorted(set(s.cursor[s.evict_at < len(s)].tolist()))
-        if mode == "reprefill":  # the last segment: every deleted output's title line, nothing else of it
+        if mode == "reprefill":  # the last segment still shows every deleted output's title line
             text = fmt.tokenizer.decode(r.traces[-1].tokens.tolist())
             for c in gone:
                 assert f"[Cursor {c}]" in text
@@ -270,8 +272,8 @@ def test_hindsight_labels_equal_the_runners_sequential_demonstrations(setup, at,
             said = [x.meta for x in samples]
             assert any(m["deleted"] for m in said) and any(m["target"] for m in said)  # both parts used
             if keep_titles:  # negative control: a labeller that deletes the titles too builds other masks
-                bare = label | {"keep_titles": False}
-                bare = hindsight_samples(f.traces[0], fmt, every, random.Random(0), **bare)
+                untitled = label | {"keep_titles": False}
+                bare = hindsight_samples(f.traces[0], fmt, every, random.Random(0), **untitled)
                 assert any(not np.array_equal(x.evict_at, a.evict_at) for x, a in zip(bare, s.aux_traces))
 
 

@@ -145,9 +145,13 @@ def title_span(tokenizer, ids: list[int], cursor: int) -> tuple[int, int]:
         return 0, 0
     j = text.find("\n", i)
     j = len(text) - 1 if j < 0 else j
-    ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]  # char end of each token
-    a = next(k for k, e in enumerate(ends) if e > i)
-    return a, next(k for k, e in enumerate(ends) if e > j) + 1
+    a = None
+    for k in range(len(ids)):  # token k ends at this character; stop at the one holding the newline
+        end = len(tokenizer.decode(ids[: k + 1]))
+        a = k if a is None and end > i else a
+        if end > j:
+            return a, k + 1
+    return a, len(ids)
 
 
 def title_mask(trace: Trace, tokenizer) -> np.ndarray:
