@@ -3,6 +3,8 @@
 import asyncio
 import json
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,6 +21,7 @@ from compactrl.envs import (
     EnvError,
     RecallConfig,
     RoomsConfig,
+    Step,
     TextWorldConfig,
     guarded,
     make_env,
@@ -227,6 +230,31 @@ class Broken:
 
     def reset(self, seed):
         return {"task": "not a Reset"}
+
+
+class Slow:
+    name = "slow"
+
+    def step(self, action):
+        time.sleep(0.4)
+        return Step("ok")
+
+
+def test_an_env_call_is_timed_from_when_it_starts_not_while_it_waits_for_a_worker():
+    """Two calls of 0.4 s, one worker, a 0.6 s limit: the second waits 0.4 s for the worker, then runs
+    0.4 s; timed from the call's start both finish (timed from the queue, the second timed out)."""
+
+    async def two():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        return await asyncio.gather(*(guarded(Slow(), "step", "a", 0.6) for _ in range(2)))
+
+    assert [s.observation for s in asyncio.run(two())] == ["ok", "ok"]
+
+    async def hung():  # negative control: a call that itself runs past the limit still times out
+        return await guarded(Slow(), "step", "a", 0.2)
+
+    with pytest.raises(EnvError, match="did not return within 0.2 s"):
+        asyncio.run(hung())
 
 
 def test_malformed_env_output_is_an_env_error():

@@ -215,6 +215,31 @@ def test_a_failing_or_hanging_env_ends_only_its_episode(model_dir):
     assert results[0].turns == results[1].turns == 2 and results[0].traces  # what happened is kept
 
 
+class LongDemo(RoomsEnv):
+    """Rooms whose demonstration for seed 1 is too long for the action's token limit: the runner
+    raises a ValueError (not an env failure) inside that episode only."""
+
+    def reset(self, seed):
+        self.seed = seed
+        return super().reset(seed)
+
+    def demo_action(self):
+        return "word " * 40 if self.seed == 1 else super().demo_action()
+
+
+def test_one_failing_episode_is_recorded_and_the_batch_is_kept(model_dir):
+    engine = Engine.from_pretrained(model_dir)
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    make = lambda: LongDemo(n_rooms=4, filler=2)  # noqa: E731
+    settings = RolloutSettings(max_tokens=16)
+    results = asyncio.run(run_episodes(engine, fmt, make, None, "full", settings, [0, 1, 2], 3, demo=True))
+    bad, good = results[1], [results[0], results[2]]
+    assert bad.non_completion == "error" and "ValueError" in bad.error and "demonstration" in bad.error
+    assert bad.traces and len(bad.traces[0]) > 0  # what it did before failing is kept
+    assert all(r.error is None and r.reward > 0 for r in good)
+    assert all(s.closed for s in engine.sessions)  # nothing of the failed episode is left in the engine
+
+
 def test_oversubscribed_pool_preempts_and_completes_identically(model_dir):
     greedy = RolloutSettings(max_tokens=6, temperature=0.0)
     rooms = lambda: RoomsEnv(n_rooms=5, filler=3)  # noqa: E731

@@ -6,6 +6,7 @@ scored by the engine and checked against the trainer's one-pass forward."""
 
 import asyncio
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -124,6 +125,32 @@ def test_parallel_deletions_land_a_boundary_after_the_fork(setup):
         assert logprob_gap(model, t) < 5e-5
 
 
+class SlowBrowse(BrowseEnv):
+    """The same worlds, each tool call taking 50 ms more (a slow tool, or a busy machine)."""
+
+    def step(self, action):
+        import time
+
+        time.sleep(0.05)
+        return super().step(action)
+
+
+def test_where_a_parallel_threads_deletions_land_does_not_depend_on_machine_speed(setup):
+    """The same config and seeds give the same streams, evictions included, whether the tools answer
+    at once or slowly: the thread's answer lands at a boundary set by a token clock."""
+    engine, fmt, _ = setup
+    strategy = build_strategy(SideQuestConfig(every=1, parallel=True))
+    settings = RolloutSettings(max_tokens=64, max_turns=16)
+    rows = []
+    for env in (make, lambda: SlowBrowse(world_size=40, min_hops=3, max_hops=4)):
+        played = run_episodes(engine, fmt, env, strategy, "stream", settings, [3, 4, 5, 6], 4, demo=True)
+        rows.append(asyncio.run(played))
+    assert sum(r.deleted_cursors for r in rows[0]) > 0
+    for fast, slow in zip(*rows, strict=True):
+        assert np.array_equal(fast.traces[0].evict_at, slow.traces[0].evict_at)
+        assert fast.aux_unfinished == slow.aux_unfinished
+
+
 def beside_whole_deletions(setup, mode, **kept):
     """Each episode played with ``kept`` (what a deletion leaves), beside the same episode deleting
     cursors whole in stream mode: it solves, deletes the same cursors, and engine == trainer."""
@@ -191,10 +218,55 @@ def test_keep_titles_leaves_each_deleted_outputs_first_line(setup, mode):
         assert logprob_gap(model, t, full_context(t)) > 1e-3  # negative control
 
 
-def test_keep_calls_forked_after_the_call_needs_keep_unread():
-    with pytest.raises(ValueError, match="keep_calls with at = 'call' needs keep_unread"):
-        SideQuestConfig(keep_calls=True, at="call")
-    assert SideQuestConfig(keep_calls=True, at="call", keep_unread=True).keep_calls
+def name_every_cursor(monkeypatch):
+    """Threads that name cursors 0-40, open or not, seen or not (the runner must sort them out)."""
+    import compactrl.agent.rollout as rollout
+
+    monkeypatch.setattr(rollout, "aux_answer", lambda info: json.dumps({"del_cursors": list(range(41))}))
+
+
+def deleted_whole(t) -> bool:
+    """Every cursor's tokens (its call and its output) are all evicted, or none is: nothing orphaned."""
+    cursors = set(t.cursor.tolist()) - {NO_CURSOR}
+    return all(len(set((t.evict_at[t.cursor == c] < len(t)).tolist())) == 1 for c in cursors)
+
+
+def test_a_parallel_thread_deletes_only_cursors_it_saw_open_at_its_fork(setup, monkeypatch):
+    """A thread forked before cursor c was made, whose answer names c, must not delete it: c is
+    counted as unseen, and every cursor a thread deletes had its output in before that fork."""
+    name_every_cursor(monkeypatch)
+    results = play(setup, "stream", parallel=True, seeds=[3, 4, 5, 6])
+    assert sum(r.aux_unseen_cursors for r in results) > 0 and sum(r.deleted_cursors for r in results) > 0
+    for r in results:
+        (t,) = r.traces
+        assert r.error is None and deleted_whole(t)
+        forks = sorted(a.meta["fork_at"] for a in r.aux_traces)
+        for e in set(t.evict_at[t.evict_at < len(t)].tolist()):
+            fork = max(f for f in forks if f < e)  # one thread in flight at a time: the latest fork
+            gone = set(t.cursor[t.evict_at == e].tolist())
+            for c in gone:
+                assert np.flatnonzero(t.cursor == c).max() < fork  # its call and output before the fork
+        assert logprob_gap(setup[2], t) < 5e-5
+
+
+@pytest.mark.parametrize("keep_calls", [False, True])
+def test_a_thread_forked_after_the_call_never_deletes_the_cursor_whose_output_is_pending(
+    setup, monkeypatch, keep_calls
+):
+    """at = "call": the newest cursor's output has not landed at the fork. A thread naming it leaves
+    it (counted as unseen) instead of deleting the call and orphaning the output that follows."""
+    name_every_cursor(monkeypatch)
+    for r in play(setup, "stream", at="call", keep_calls=keep_calls):
+        (t,) = r.traces
+        assert r.error is None and r.reward == 1.0
+        assert r.aux_unseen_cursors == r.aux_calls > 0 and r.deleted_cursors > 0  # the pending one, each call
+        if keep_calls:  # outputs go whole, calls stay
+            role = np.array(t.role)
+            for c in set(t.cursor[t.evict_at < len(t)].tolist()):
+                assert (t.evict_at[(t.cursor == c) & (role == "user")] < len(t)).all()
+        else:
+            assert deleted_whole(t)
+        assert logprob_gap(setup[2], t) < 5e-5
 
 
 @pytest.mark.parametrize("at", ["output", "call"])
@@ -218,8 +290,11 @@ def test_keep_unread_never_deletes_an_output_no_action_has_read(setup, monkeypat
     kept = play(setup, "stream", keep_unread=True, at=at)
     bare = play(setup, "stream", at=at)
     for k, b in zip(kept, bare, strict=True):
-        assert k.aux_kept_unread == k.aux_calls > 0 and b.aux_kept_unread == 0
-        assert read_before_deleted(k) and not read_before_deleted(b)
+        assert b.aux_kept_unread == 0 and read_before_deleted(k)
+        if at == "output":
+            assert k.aux_kept_unread == k.aux_calls > 0 and not read_before_deleted(b)
+        else:  # the unread output is not in at the fork: no thread can delete it, kept or not
+            assert k.aux_kept_unread == 0 and read_before_deleted(b)
 
 
 def test_an_unparsable_answer_deletes_nothing_and_is_counted(setup):
@@ -403,6 +478,37 @@ def test_deletion_scores_against_the_hindsight_labels(setup):
         for x in r.aux_traces:
             x.meta["keep_calls"] = False  # negative control: judged by the calls, deleted cursors look open
         assert deletion_scores(r.traces[0], r.aux_traces)["expired"] > s["expired"]
+
+
+def test_a_thread_still_running_when_its_episode_ends_is_flagged_and_not_scored(setup):
+    """A parallel thread whose answer was not due before the episode ended deleted nothing: its trace
+    is kept, flagged ``unfinished``, counted, and left out of the deletion scores."""
+    from compactrl.compaction.sidequest import deletion_scores
+
+    results = play(setup, "stream", parallel=True, seeds=[3, 4, 5, 6])
+    assert sum(r.aux_unfinished for r in results) > 0
+    for r in results:
+        flagged = [x for x in r.aux_traces if x.meta.get("unfinished")]
+        assert len(flagged) == r.aux_unfinished and len(r.aux_traces) == r.aux_calls
+        s = deletion_scores(r.traces[0], r.aux_traces)
+        assert s["calls"] == r.aux_calls - r.aux_unfinished
+        for x in flagged:  # forked after every deletion the episode saw land
+            (t,) = r.traces
+            assert not (t.evict_at[t.evict_at < len(t)] > x.meta["fork_at"]).any()
+
+
+def test_a_thread_with_no_room_is_counted_apart_from_format_failures(setup, tmp_path):
+    """A thread that reaches the model's position limit deletes nothing and is counted as
+    ``aux_no_room``, not as an answer the runner could not read (the oracle's answers always parse).
+    The main thread's stream is the same length whatever is deleted (positions are never renumbered),
+    so a limit just above it leaves the main thread room and the last forks none."""
+    (full,) = play(setup, "stream", seeds=[3])
+    folder = write_tiny_model(tmp_path / "m", max_position_embeddings=full.tokens + 5)
+    engine = Engine.from_pretrained(folder)
+    (r,) = play((engine, setup[1], None), "stream", seeds=[3])
+    assert r.error is None and r.tokens == full.tokens and r.reward == 1.0
+    assert r.aux_parse_failures == 0 and 0 < r.aux_no_room < r.aux_calls == full.aux_calls
+    assert [x.meta["no_room"] for x in r.aux_traces] == [x.meta["named"] is None for x in r.aux_traces]
 
 
 def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_advantage(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -78,6 +79,22 @@ class _Piece:
 
 
 @dataclass
+class _Thread:
+    """SideQuest's auxiliary thread in flight."""
+
+    task: asyncio.Task  # -> (answer text, None if it had no room; its trace)
+    session: Any  # the fork
+    seen: dict[int, int]  # cursor -> step: open at the fork with its output in (what it may delete)
+    unread: set[int]  # its call's cursors no action had read yet (what keep_unread protects)
+    main_tokens: int  # tokens the main thread had added to its stream at the fork (its clock)
+
+    def written(self) -> int:
+        """Tokens the thread has generated so far."""
+        g = self.session.generation
+        return len(g.tokens) if g is not None else 0
+
+
+@dataclass
 class EpisodeResult:
     episode: int
     seed: int
@@ -103,8 +120,10 @@ class EpisodeResult:
     aux_calls: int = 0  # SideQuest: auxiliary threads run
     deleted_cursors: int = 0  # cursors their answers deleted
     aux_parse_failures: int = 0  # answers with no readable {"del_cursors": [...]}
+    aux_no_room: int = 0  # threads that could not run or finish: no room (positions or KV pool) to fork
     aux_unknown_cursors: int = 0  # named cursors that were not open (never made, or deleted)
-    aux_unfinished: int = 0  # threads not yet collected when the episode ended: they delete nothing
+    aux_unseen_cursors: int = 0  # named cursors open now that the thread did not see open at its fork
+    aux_unfinished: int = 0  # threads whose answer was not due before the episode ended: no deletions
     aux_tokens: int = 0  # tokens the auxiliary threads generated (never in the main stream)
     aux_kv_reads: int = 0  # the auxiliary threads' KV reads (the shared prefix included)
     aux_kept_unread: int = 0  # keep_unread: named outputs no action had read yet, not deleted
@@ -156,10 +175,12 @@ class Episode:
         sample_seed: int | None = None,
         demo: bool = False,
         evictor=None,
+        pool: Executor | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} unknown; choose one of {MODES}")
         self.engine, self.fmt, self.env, self.settings = engine, fmt, env, settings
+        self.pool = pool  # the worker threads env calls run in (None: asyncio's default executor)
         self.chat: Conversation = fmt.conversation()
         self.strategy = None if mode == "full" else strategy
         self.evictor = evictor if mode == "stream" else None  # a token evictor runs in place only
@@ -180,8 +201,8 @@ class Episode:
         self.cursor_of: dict[int, int] = {}  # step id -> the cursor id of its tool output
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
         self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
-        self.aux: asyncio.Task | None = None  # the auxiliary thread in flight (SideQuest)
-        self.aux_unread: set[int] = set()  # its call's cursors no action had read yet
+        self.aux: _Thread | None = None  # the auxiliary thread in flight (SideQuest)
+        self.answered: set[int] = set()  # steps whose tool output is in the stream
         self.action_log: list[tuple[int, list]] = []  # (session, [end, cursor, refs, tool]) per action
 
     # ---- stream building ------------------------------------------------------------------------
@@ -218,6 +239,9 @@ class Episode:
     def _output(self, sid: int, text: str) -> None:
         """Append a tool output; under SideQuest's keep_titles its first line is a piece of no step
         (no cursor label either), so deleting the cursor leaves it."""
+        if sid not in self.kinds:  # a deletion may never remove a call before its output lands
+            raise RuntimeError(f"step {sid} was deleted before its tool output landed")
+        self.answered.add(sid)
         c = self.cursor_of.get(sid)
         if not (self.sidequest and self.strategy.plan.keep_titles and c is not None):
             return self._message(sid, "user", text)
@@ -360,7 +384,8 @@ class Episode:
 
     def _aux_start(self, action: int) -> None:
         """Fork the main thread (its KV shared, at this step boundary) and start the auxiliary
-        thread on the fork; the main thread goes on (parallel) or waits for it (sequential)."""
+        thread on the fork; the main thread goes on (parallel) or waits for it (sequential). The
+        thread may delete only what it sees open: the cursors whose output is in at the fork."""
         plan, r = self.strategy.plan, self.result
         chat = self.chat.fork()
         turn = len(chat.messages)
@@ -374,42 +399,42 @@ class Episode:
         )  # fmt: skip
         self.messages += 1
         r.aux_calls += 1
-        self.aux_unread = {
-            c for c, k in self.cursors.items() if k["last_used"] == action and not k["referenced"]
-        }
+        seen = {c: sid for c, sid in self._live_cursors().items() if sid in self.answered}
+        unread = {c for c, k in self.cursors.items() if k["last_used"] == action and not k["referenced"]}
         if self.demo:  # the env's memory oracle writes the answer, teacher-forced
-            live = sorted(self._live_cursors())
             info = [
                 (c, self.cursors[c]["tool"], self.cursors[c]["last_used"])
-                for c in self.env.demo_deletions(live)
+                for c in self.env.demo_deletions(sorted(seen))
             ]
             toks = self.fmt.tokenizer.encode(aux_answer(info)) + [self.fmt.stop_ids[0]]
             params = params.model_copy(update={"forced": toks, "max_tokens": max(len(toks), plan.max_tokens)})
         prompt = chat.message("user", plan.trigger), chat.prompt()
-        self.aux = asyncio.ensure_future(self._aux_run(child, prompt, params, turn, fork_at, action))
+        task = asyncio.ensure_future(self._aux_run(child, prompt, params, turn, fork_at, action))
+        self.aux = _Thread(task, child, seen, unread, self.origin)
 
     async def _aux_run(
         self, child, prompt, params: SamplingParams, turn: int, fork_at: int, action: int
-    ) -> str:
-        """The thread's answer text; its trace is kept, only its own tokens trainable (the prefix
-        is the main thread's, trained there)."""
+    ) -> tuple[str | None, Trace]:
+        """The thread's answer text (None: no room to run it) and its trace; only its own tokens
+        are trainable (the prefix is the main thread's, trained there)."""
         r = self.result
         try:
             child.append(prompt[0], role="user", turn=turn)
             child.append(prompt[1], role="assistant", turn=turn + 1)
             gen = await child.agenerate(params, role="assistant", turn=turn + 1)
-            answer = self.fmt.text(gen.tokens)
             r.aux_tokens += len(gen.tokens)
+            answer = None if gen.finish_reason == "position_limit" else self.fmt.text(gen.tokens)
         except SessionError:  # no room (positions or pool) for the thread: it deletes nothing
-            answer = ""
+            answer = None
         r.aux_kv_reads += child.metrics.kv_reads
         t = child.trace()
         child.close()
         t.trainable[:fork_at], t.logprobs[:fork_at] = False, np.nan
-        t.meta = {"aux": True, "action": action, "fork_at": fork_at, "named": parse_deletions(answer),
-                  "keep_calls": self.strategy.plan.keep_calls}  # fmt: skip
+        t.meta = {"aux": True, "action": action, "fork_at": fork_at, "segment": len(self.sessions),
+                  "named": parse_deletions(answer or ""), "keep_calls": self.strategy.plan.keep_calls,
+                  "no_room": answer is None}  # fmt: skip
         r.aux_traces.append(t)
-        return answer
+        return answer, t
 
     async def _aux_call(self, ctx: Context) -> None:
         """Start the auxiliary thread when it is due and none is in flight; sequential: wait for it."""
@@ -419,21 +444,50 @@ class Episode:
                 await self._aux_collect(wait=True)
 
     async def _aux_collect(self, wait: bool = False) -> None:
-        """At a main-thread step boundary: apply a finished auxiliary thread's deletions."""
-        if self.aux is None or not (wait or self.aux.done()):
+        """At a main-thread step boundary: apply the auxiliary thread's deletions if its answer is
+        due. In parallel it is due once the main thread has added to its stream, since the fork,
+        enough tokens for the thread to have written its answer at ``pace`` thread tokens per main
+        token (the tokens it generated and the outputs it was fed: a tool output's time is the
+        thread's too), so where a deletion lands depends on tokens only, never on wall-clock time."""
+        th = self.aux
+        if th is None:
             return
-        answer, self.aux = await self.aux, None
-        r, live = self.result, self._live_cursors()
-        plan = self.strategy.plan
-        delete, unknown = plan.split(answer, set(live))
+        if not wait:
+            since = (self.origin - th.main_tokens) * self.strategy.plan.pace
+            if th.written() > since:  # not due, whatever it writes next
+                return
+            await asyncio.wait([th.task])  # the rule needs its final length
+            if th.written() > since:
+                return
+        answer, _ = await th.task
+        self.aux = None
+        r, plan, now = self.result, self.strategy.plan, self._live_cursors()
+        if answer is None:
+            r.aux_no_room += 1
+            return
+        delete, unknown = plan.split(answer, set(th.seen) & set(now))
+        unseen = [c for c in unknown if c in now]  # open now, but not when the thread looked
         r.aux_parse_failures += delete is None
-        r.aux_unknown_cursors += len(unknown)
+        r.aux_unseen_cursors += len(unseen)
+        r.aux_unknown_cursors += len(unknown) - len(unseen)
         if delete and plan.keep_unread:
-            r.aux_kept_unread += len(set(delete) & self.aux_unread)
-            delete = [c for c in delete if c not in self.aux_unread]
+            r.aux_kept_unread += len(set(delete) & th.unread)
+            delete = [c for c in delete if c not in th.unread]
         if delete:
             r.deleted_cursors += len(delete)
-            await self._delete({live[c] for c in delete}, outputs_only=plan.keep_calls)
+            await self._delete({now[c] for c in delete}, outputs_only=plan.keep_calls)
+
+    async def _aux_end(self) -> None:
+        """The episode ended with a thread in flight: it is run to its end (its trace is kept), but
+        its answer was not due, so it deleted nothing; its trace is flagged ``unfinished`` (left out
+        of the loss and of the deletion scores)."""
+        th, self.aux = self.aux, None
+        await asyncio.wait([th.task])
+        if (e := th.task.exception()) is not None:
+            self.result.error = self.result.error or f"{type(e).__name__}: {e}"
+            return
+        th.task.result()[1].meta["unfinished"] = True
+        self.result.aux_unfinished += 1
 
     def _role(self, p: _Piece) -> str:
         return self.sessions[-1].role[p.start] if p.tokens else "user"
@@ -451,7 +505,7 @@ class Episode:
         try:
             self._new_session()
             begin = "demo_reset" if self.demo and hasattr(self.env, "demo_reset") else "reset"
-            reset = await guarded(self.env, begin, self.seed, s.env_timeout_s)
+            reset = await guarded(self.env, begin, self.seed, s.env_timeout_s, self.pool)
             system = s.system if s.system is not None else reset.system
             if system:  # "" = no system message (TOML has no null)
                 self._message(HEAD, "system", system)
@@ -471,7 +525,7 @@ class Episode:
                 r.turns += 1
                 since += 1
                 action = fmt.text(action_ids)
-                out = await guarded(self.env, "step", action, s.env_timeout_s)
+                out = await guarded(self.env, "step", action, s.env_timeout_s, self.pool)
                 r.reward += out.reward
                 r.step_rewards.append((len(self.sessions), last_token, float(out.reward)))
                 r.info = out.info
@@ -503,13 +557,11 @@ class Episode:
                 hint = out.max_tokens
         except _AtPositionLimit:
             r.truncated = r.at_position_limit = True
-        except (EnvError, SessionError) as e:
+        except Exception as e:  # noqa: BLE001 - env, session or any other failure ends only this episode
             r.error = f"{type(e).__name__}: {e}"
         finally:
-            if self.aux is not None:  # the episode ended first: the thread's answer deletes nothing
-                await asyncio.wait([self.aux])
-                self.aux = None
-                self.result.aux_unfinished += 1
+            if self.aux is not None:
+                await self._aux_end()
             if self.session is not None:
                 self.sessions.append(self.session)
                 self.session = None

@@ -138,7 +138,8 @@ class SideQuestConfig(_Config):
     keep_unread: bool = Field(
         False, description="an answer naming the tool output of the action the thread was called "
         "after does not delete it (counted: aux_kept_unread): no action has read it yet, so the "
-        "hindsight labels never expire it"
+        "hindsight labels never expire it (at = 'call' that output is not in at the fork, so the thread "
+        "never deletes it anyway: a thread deletes only cursors it saw open)"
     )  # fmt: skip
     keep_calls: bool = Field(
         False, description="a deleted cursor loses its tool output only; the call that made it stays "
@@ -148,6 +149,11 @@ class SideQuestConfig(_Config):
         False, description="a deleted cursor's output keeps its first line ('[Cursor c] <page title>', "
         "~11 tokens), so the policy still sees which page each hop reached; false: the output goes whole"
     )  # fmt: skip
+    pace: float = Field(
+        1.0, gt=0, description="parallel: the thread writes this many tokens per token the main thread "
+        "adds to its stream (generated or fed); its answer lands at the first step boundary by which that "
+        "clock has let it write it all, so where deletions land depends on tokens, never on machine speed"
+    )  # fmt: skip
     trigger: str = Field(TRIGGER, min_length=1, description="the user message that starts the thread")
     max_tokens: int = Field(160, ge=8, description="the auxiliary thread's reasoning and answer")
     thread_adapter: str | None = Field(
@@ -155,13 +161,6 @@ class SideQuestConfig(_Config):
         "adapters act on the auxiliary thread's tokens only, the main thread stays model.path; in training "
         "(objective = 'rl') it stays frozen while the policy's own LoRA learns"
     )  # fmt: skip
-
-    @model_validator(mode="after")
-    def _calls_need_an_output(self):
-        if self.keep_calls and self.at == "call" and not self.keep_unread:
-            raise ValueError("keep_calls with at = 'call' needs keep_unread = true: forked after the "
-                             "call, the newest cursor has no output yet to delete")  # fmt: skip
-        return self
 
 
 StrategyConfig = Annotated[

@@ -3,9 +3,10 @@
 Every ``every`` actions the rollout runner forks the main thread (the fork shares its KV, no copy),
 appends the trigger phrase and lets the model write a short reasoning and then
 ``{"del_cursors": [c, ...]}``. The auxiliary tokens never enter the main stream: when the thread has
-answered, the named cursors are deleted from the main thread at its next step boundary (parallel:
-the main thread kept acting meanwhile) or at once (sequential: it waited), in place (stream) or by
-re-prefilling the rest (reprefill), as every other strategy deletes.
+answered, the named cursors are deleted from the main thread at a later step boundary (parallel:
+the main thread kept acting meanwhile; the boundary is set by a token clock, ``pace``) or at once
+(sequential: it waited), in place (stream) or by re-prefilling the rest (reprefill), as every other
+strategy deletes. A thread deletes only cursors it saw open at its fork, their outputs in.
 
 The answer format and the justification template are shared by the runner's demonstrations and
 the hindsight labeller (:mod:`compactrl.rl.sidequest`), so both teach one layout.
@@ -76,6 +77,7 @@ class AuxThread:
     keep_unread: bool = False  # the output of the action the thread was called after is never deleted
     keep_calls: bool = False  # a deleted cursor's output goes, the call that made it stays
     keep_titles: bool = False  # a deleted cursor's first line ("[Cursor c] <title>") stays
+    pace: float = 1.0  # parallel: thread tokens per main-thread stream token (when its answer lands)
 
     def split(self, answer: str, live: set[int]) -> tuple[list[int] | None, list[int]]:
         """(live cursors to delete, named cursors that are not live); None: unparsable."""
@@ -184,11 +186,12 @@ def live_at(
 def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:
     """The auxiliary threads' answers against the hindsight labels of the episode they ran in: per
     call (fork before action ``t``), the cursors named vs the expired ones live at the fork.
-    ``correct / named`` is the deletion precision, ``correct / expired`` the recall."""
+    ``correct / named`` is the deletion precision, ``correct / expired`` the recall. A thread whose
+    answer was not due before the episode ended (``meta["unfinished"]``) acted on nothing: left out."""
     acts = actions_of(main)
     last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
     out = {"calls": 0, "named": 0, "expired": 0, "correct": 0}
-    for x in aux:
+    for x in (x for x in aux if not x.meta.get("unfinished")):
         t, b, named = x.meta["action"] + 1, x.meta["fork_at"], set(x.meta.get("named") or ())
         live = set(live_at(main, made, b, x.meta.get("keep_calls", False)))  # as the thread saw
         expired = {c for c in live if last[c] < t}

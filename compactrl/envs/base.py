@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,14 +69,28 @@ def _check(result: Any, kind: type, what: str) -> Any:
     return result
 
 
-async def guarded(env: Env, method: str, arg: Any, timeout_s: float) -> Reset | Step:
-    """Call ``env.reset(arg)`` or ``env.step(arg)`` in a thread; raise EnvError on anything wrong.
+async def guarded(
+    env: Env, method: str, arg: Any, timeout_s: float, pool: Executor | None = None
+) -> Reset | Step:
+    """Call ``env.reset(arg)`` or ``env.step(arg)`` in a worker thread of ``pool`` (None: asyncio's
+    default executor); raise EnvError on anything wrong.
 
+    The time limit counts from when a worker starts the call, not from when it was queued: a call
+    waiting for a free worker while other episodes' calls run has not used any of its ``timeout_s``.
     A call that hangs is abandoned after ``timeout_s`` (its thread cannot be killed, so the env
     object is not used again by that episode)."""
     fn = getattr(env, method)
+    loop = asyncio.get_running_loop()
+    started = loop.create_future()
+
+    def call():
+        loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+        return fn(arg)
+
+    done = loop.run_in_executor(pool, call)
     try:
-        result = await asyncio.wait_for(asyncio.to_thread(fn, arg), timeout_s)
+        await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)  # queued: untimed
+        result = await asyncio.wait_for(done, timeout_s)
     except TimeoutError as e:
         raise EnvError(f"{env.name}.{method} did not return within {timeout_s:g} s") from e
     except Exception as e:  # noqa: BLE001 - any env failure ends only its own episode
