@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI (CPU only) cannot run: the flex-attention trainer path with backward,
 # in float32 and bfloat16, the trainer benchmark with flex vs chunked attention on the GPU, and
-# the engine on CUDA (engine vs trainer log-probs, engine vs transformers throughput in bfloat16).
+# the engine on CUDA (engine vs trainer log-probs, engine vs transformers throughput in bfloat16),
+# and the token evictors on CUDA (engine vs trainer log-probs under each method's evictions).
 # Usage: bash scripts/gpu_check.sh OUT_DIR [SMOLLM2_DIR]   (needs a CUDA build of torch)
 #   SMOLLM2_DIR: an imported SmolLM2 folder (compactrl import-gguf --smollm2 DIR); when given and
 #   missing, the script tries to import it there; its engine checks are skipped if that fails.
@@ -26,6 +27,66 @@ for dtype in float32 bfloat16; do
   $cli verify engine --device cuda --dtype "$dtype" --json > "$out/verify_engine_cuda_$dtype.json"
   echo "verify engine $dtype rc=$?"
 done
+# the token evictors on CUDA (their state on the KV's device): each method's short batched decode
+# with evictions, engine log-probs vs the trainer's one-pass forward (float32 gated at 5e-5, the
+# unevicted replay must differ by >= 0.1; bfloat16 must run and evict); random must replay given its
+# seed. The same check runs on CPU: python - OUT.json cpu < (this heredoc)
+$py - "$out/verify_evictors_cuda.json" cuda > "$out/verify_evictors_cuda.txt" 2>&1 <<'EOF'
+import json
+import sys
+
+import torch
+
+from compactrl.bench.evictors import METHODS
+from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.models.tiny import init_random, tiny_config
+from compactrl.rl.forward import full_context, stream_logprobs
+
+path, device = sys.argv[1], sys.argv[2]
+torch.set_num_threads(1)
+
+
+def decode(model, ev, n=4):
+    eng = Engine(model, None, EngineConfig(kv_pool_tokens=4096, max_step_tokens=64))
+    sessions = [eng.session(f"{ev.name}-{i}") for i in range(n)]
+    for i, s in enumerate(sessions):
+        s.append([(11 * i + 7 * j) % 290 + 2 for j in range(48)], role="system")
+        s.use_evictor(ev, head=3)
+        s.generate(SamplingParams(max_tokens=48, seed=i, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    return sessions
+
+
+rows, ok = {}, True
+for dtype in (torch.float32, torch.bfloat16):
+    cfg = tiny_config("qwen3", vocab_size=300, eos_token_id=[1])
+    model = init_random(cfg, seed=0).to(device=device, dtype=dtype).eval()
+    for name, cls in METHODS.items():
+        ev = cls(budget=32, window=6, interval=8, protect_turn=False)
+        sessions = decode(model, ev)
+        traces = [s.trace() for s in sessions]
+        diff = neg = 0.0
+        with torch.no_grad():
+            replayed = stream_logprobs(model, traces)
+            unevicted = stream_logprobs(model, [full_context(t) for t in traces])
+        for s, t, lp, un in zip(sessions, traces, replayed, unevicted, strict=True):
+            m = torch.as_tensor(t.trainable)
+            logged = torch.tensor(s.model_logprobs, dtype=torch.float64)[m]
+            diff = max(diff, float((lp.double().cpu()[m] - logged).abs().max()))
+            neg = max(neg, float((un.double().cpu()[m] - logged).abs().max()))
+        evicted = sum(s.metrics.evicted_tokens for s in sessions)
+        good = evicted > 0 and (dtype != torch.float32 or (diff <= 5e-5 and neg >= 0.1))
+        if name == "random":  # seeded: the same streams evict the same tokens
+            good &= [s.evict_at for s in decode(model, ev)] == [s.evict_at for s in sessions]
+        row = {"evicted_tokens": evicted, "max_abs_logprob_diff": diff, "unevicted_diff": neg, "ok": good}
+        rows[f"{name} {str(dtype).removeprefix('torch.')}"] = row
+        print(name, dtype, row, flush=True)
+        ok &= good
+with open(path, "w") as f:
+    json.dump({"device": device, "rows": rows, "ok": ok}, f, indent=2)
+sys.exit(0 if ok else 1)
+EOF
+echo "verify evictors rc=$?"
 vllm=()
 if [ -n "${VLLM_PYTHON:-}" ]; then vllm=(--vllm-python "$VLLM_PYTHON"); fi
 # ours vs transformers generate (vs vLLM) in bfloat16 on the GPU, generated 24.7M-parameter model

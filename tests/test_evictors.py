@@ -4,12 +4,16 @@ against the trainer's one-pass forward over the exported trace."""
 
 import math
 
+import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-from compactrl.compaction.evictors import H2O, RKV, TOVA, KNorm, SnapKV, StreamingLLM
+from compactrl.compaction.evictors import H2O, RKV, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.engine.evicting import EvictorState
 from compactrl.models.tiny import init_random, tiny_config
 from compactrl.rl.forward import full_context, stream_logprobs
 
@@ -109,6 +113,7 @@ METHODS = [
     SnapKV(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
     RKV(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False),
 ]
+RANDOM = Random(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False, seed=0)
 
 
 @pytest.mark.parametrize("ev", METHODS, ids=lambda e: e.name)
@@ -130,7 +135,7 @@ def test_kept_set_equals_the_papers_definition(lm64, ev):
     assert sum(e is None for e in s.evict_at) <= BUDGET + INTERVAL  # bounded live KV
 
 
-@pytest.mark.parametrize("ev", METHODS, ids=lambda e: e.name)
+@pytest.mark.parametrize("ev", [*METHODS, RANDOM], ids=lambda e: e.name)
 def test_engine_under_an_evictor_matches_the_one_pass_trainer(tiny_lm, ev):
     s = run(tiny_lm, ev, seed=1)
     trace = s.trace()
@@ -144,14 +149,36 @@ def test_engine_under_an_evictor_matches_the_one_pass_trainer(tiny_lm, ev):
     assert (unevicted.double()[m] - logged).abs().max() > 0.1  # the evictions are what it replays
 
 
-def test_protected_spans_stay(lm64):
+@pytest.mark.parametrize("cls", [H2O, Random], ids=lambda c: c.__name__)
+def test_protected_spans_stay(lm64, cls):
     """The head and the current turn (the whole generation here) are never evicted; the budget is
     kept as far as the unprotected tokens allow."""
-    ev = H2O(budget=BUDGET, window=WINDOW, interval=INTERVAL)  # protect_turn on
+    ev = cls(budget=BUDGET, window=WINDOW, interval=INTERVAL)  # protect_turn on
     s = run(lm64, ev)
     gone = [j for j, e in enumerate(s.evict_at) if e is not None]
     assert gone and all(HEAD <= j < PROMPT for j in gone)  # only the prompt's middle goes
     assert len(gone) == PROMPT - HEAD  # all of it, as the generation grows past the budget
+
+
+def test_random_eviction_is_uniform_down_to_the_budget_and_seeded(lm64):
+    """Random eviction runs on the others' schedule and down to the same budget, draws only among
+    the unprotected tokens, uniformly, and replays given its seed (another seed draws otherwise)."""
+    s = run(lm64, RANDOM)
+    T = len(s.tokens)
+    evict_at = [T + 1 if e is None else e for e in s.evict_at]
+    events = sorted({e for e in s.evict_at if e is not None})
+    assert events == list(range(PROMPT, T + 1, INTERVAL))
+    for e in events:
+        gone = [j for j in range(e) if evict_at[j] == e]
+        assert gone and all(HEAD <= j < e - WINDOW for j in gone), e
+        assert sum(evict_at[j] > e for j in range(e)) == BUDGET, e
+    again, other = run(lm64, RANDOM), run(lm64, RANDOM.model_copy(update={"seed": 1}))
+    assert again.evict_at == s.evict_at and again.tokens == s.tokens
+    assert other.evict_at[:PROMPT] != s.evict_at[:PROMPT]
+    # each of 8 live keys is drawn first about equally often over 800 streams
+    k_pos = torch.arange(8)
+    first = torch.tensor([int(RANDOM.draw([2, t], k_pos).argmin()) for t in range(800)])
+    assert ((first.bincount(minlength=8) - 100).abs() < 40).all()
 
 
 def test_sessions_without_an_evictor_are_untouched(lm64):
@@ -172,9 +199,9 @@ def test_sessions_without_an_evictor_are_untouched(lm64):
     assert a.metrics.evicted_tokens == 0 and b.metrics.evicted_tokens > 0
 
 
-def test_preempted_session_keeps_evicting_identically(lm64):
+@pytest.mark.parametrize("ev", [METHODS[4], RANDOM], ids=lambda e: e.name)
+def test_preempted_session_keeps_evicting_identically(lm64, ev):
     """A session preempted mid-generation is recomputed under its evictions and goes on as if not."""
-    ev = SnapKV(budget=BUDGET, window=WINDOW, interval=INTERVAL, protect_turn=False)
     roomy = run(lm64, ev)
     eng = Engine(lm64, None, EngineConfig(kv_pool_tokens=2 * (PROMPT + NEW), max_step_tokens=16))
     sessions = [eng.session() for _ in range(3)]
@@ -195,6 +222,77 @@ def test_bad_evictor_configs_are_named():
 
     with pytest.raises(ValueError, match="mode = 'stream'"):
         RolloutConfig.model_validate({"mode": "reprefill", "evictor": {"name": "tova", "budget": 64}})
+
+
+FACTORIES = {torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.rand,
+             torch.randn, torch.randint, torch.randperm, torch.linspace}  # fmt: skip
+
+
+class ImplicitDeviceElsewhere(TorchFunctionMode):
+    """On a GPU, a tensor made without ``device=`` (or by ``.cpu()``) is not on the KV's device. The
+    KV is on the CPU here, so such tensors go to ``meta`` instead: the same mixes fail. Records the
+    device of every tensor made meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in FACTORIES and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        elif func is torch.Tensor.cpu:
+            func, args = torch.Tensor.to, (args[0], "meta")
+        out = func(*args, **kwargs)
+        self.devices |= {x.device for x in tree_leaves(out) if isinstance(x, torch.Tensor)}
+        return out
+
+
+@pytest.mark.parametrize("ev", [*METHODS, RANDOM], ids=lambda e: e.name)
+def test_evictor_state_lives_on_the_kv_device(tiny_lm, monkeypatch, ev):
+    """Every tensor an evictor makes (queries kept, H2O's sums, positions, masks, scores) is on the
+    KV's device, so that the evictors run on a GPU."""
+    mode = ImplicitDeviceElsewhere()
+    for name in ("__init__", "observe", "after_feed"):
+        method = getattr(EvictorState, name)
+
+        def wrapped(*a, _method=method, **k):
+            with mode:
+                return _method(*a, **k)
+
+        monkeypatch.setattr(EvictorState, name, wrapped)
+    s = run(tiny_lm, ev)
+    assert s.metrics.evicted_tokens > 0
+    assert mode.devices == {s.engine.kv.device}
+
+
+def test_even_kernels_are_refused_by_the_config(tmp_path, monkeypatch):
+    """SnapKV's and R-KV's pooling kernel is centred: an even one is refused when the config is
+    validated (not in the engine's step, where it would kill the batch)."""
+    odd = r"kernel must be odd \(got 4\); use 3 or 5"
+    for cls in (SnapKV, RKV):
+        with pytest.raises(pydantic.ValidationError, match=r"kernel\n.*" + odd):
+            cls(budget=BUDGET, kernel=4)
+        assert cls(budget=BUDGET, kernel=3).kernel == 3
+    from typer.testing import CliRunner
+
+    import compactrl.agent.batch
+    from compactrl.agent.batch import RolloutConfig
+    from compactrl.cli import app
+    from compactrl.config import ConfigError, load_config
+
+    path = tmp_path / "snapkv.toml"
+    path.write_text('mode = "stream"\n\n[evictor]\nname = "snapkv"\nbudget = 64\n')
+    assert load_config(RolloutConfig, path).evictor.kernel == 5
+    with pytest.raises(ConfigError, match=r"evictor\.snapkv\.kernel: " + odd):
+        load_config(RolloutConfig, path, ["evictor.kernel=4"])
+
+    def heavy(*a, **k):
+        raise AssertionError("the rollout started")
+
+    monkeypatch.setattr(compactrl.agent.batch, "rollout", heavy)
+    r = CliRunner().invoke(app, ["rollout", str(path), "--set", "evictor.kernel=4"])
+    assert r.exit_code != 0 and "kernel must be odd (got 4)" in " ".join(r.output.split()), r.output
 
 
 def test_bench_evictors_reports_every_row(tmp_path):
@@ -219,6 +317,13 @@ def test_bench_evictors_reports_every_row(tmp_path):
         assert x["evictions"] > 0 and x["kv_reads"] < full["kv_reads"] and x["overhead"] > 0
         assert x["max_abs_logprob_diff"] < 5e-5
     assert full["evictions"] == 0 and full["overhead"] == 0
+    for x in rows:  # a 95% interval on every row; recall's reward is its accuracy (0/1)
+        assert x["reward_ci"][0] <= x["reward"] <= x["reward_ci"][1] and "per_seed" not in x
+        assert x["accuracy"] == x["reward"] and x["accuracy_ci"] == x["reward_ci"]
+    assert full["compared_to"] is None and {x["compared_to"] for x in rows[1:]} == {"full"}
+    for x in rows[1:]:  # paired with full context on the same seeds
+        assert x["paired_diff"] == pytest.approx(x["reward"] - full["reward"]) and 0 <= x["mcnemar_p"] <= 1
+        assert x["paired_diff_ci"][0] <= x["paired_diff"] <= x["paired_diff_ci"][1]
     assert out.with_suffix(".png").stat().st_size > 0
     bad = runner.invoke(app, ["bench", "evictors", "--evictor", "h3o"])
     assert bad.exit_code != 0 and "h3o" in bad.output
@@ -259,3 +364,18 @@ def test_an_agent_rollout_composes_an_evictor_with_a_sliding_window(tmp_path):
         m = torch.as_tensor(t.trainable)
         (lp,) = stream_logprobs(engine.model, [t])
         assert (lp.double()[m] - torch.tensor(t.logprobs, dtype=torch.float64)[m]).abs().max() < 5e-5
+
+
+def test_bench_evictors_table_shows_intervals_and_the_paired_difference(tmp_path):
+    import re
+
+    from typer.testing import CliRunner
+
+    from compactrl.cli import app
+
+    args = ["bench", "evictors", "--task", "recall", "--evictor", "h2o", "--budget", "0.7", "--episodes", "2",
+            "--out", str(tmp_path / "b.json")]  # fmt: skip
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "vs full, paired [95% CI]" in r.output and re.search(r"\d\.\d\d \[\d\.\d\d, \d\.\d\d\]", r.output)
+    assert r.output.count("no difference measured") == 2  # two questions cannot show one

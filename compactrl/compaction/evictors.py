@@ -1,5 +1,6 @@
 """Token evictors: attention-score KV eviction inside the engine (H2O, SnapKV, R-KV, StreamingLLM,
-TOVA, KNorm), as the KV-compression literature runs them at fixed token budgets.
+TOVA, KNorm), as the KV-compression literature runs them at fixed token budgets, and random
+eviction, the baseline a score has to beat.
 
 An evictor is one small config, as a kvpress press is: a token ``budget``, a ``window`` of recent
 tokens it never evicts, and ``layer_scores``: how much each live token matters to one layer, per KV
@@ -21,11 +22,13 @@ attention over the live cache: what the method would see online.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 def _logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,17 @@ def attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torc
     return _causal(_logits(q, k), q_pos, k_pos).softmax(-1)
 
 
+def _odd(kernel: int) -> int:
+    """A centred pooling kernel (padding ``kernel // 2``) keeps one score per key only if it is odd;
+    an even one would fail inside the engine's step, taking the whole batch down."""
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (got {kernel}); use {kernel - 1} or {kernel + 1}")
+    return kernel
+
+
+OddKernel = Annotated[int, AfterValidator(_odd)]
+
+
 class _Evictor(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,6 +75,7 @@ class _Evictor(BaseModel):
     )
     queries: ClassVar[int] = 0  # the method's recent queries the engine keeps (0: none)
     accumulates: ClassVar[bool] = False  # the method sums attention over every query (H2O)
+    draws: ClassVar[bool] = False  # the method draws its scores (``draw``), reading no keys (random)
 
     @model_validator(mode="after")
     def _room(self):
@@ -134,7 +149,7 @@ class SnapKV(_Evictor):
     ``kernel`` along the live keys, and averaged over the query heads of each KV head."""
 
     name: Literal["snapkv"] = "snapkv"
-    kernel: int = Field(5, ge=1, description="pooling kernel along the keys (odd)")
+    kernel: OddKernel = Field(5, ge=1, description="pooling kernel along the keys (odd)")
 
     @property
     def queries(self) -> int:  # the observation window
@@ -159,7 +174,7 @@ class RKV(_Evictor):
     defaults are the authors' code's."""
 
     name: Literal["rkv"] = "rkv"
-    kernel: int = Field(7, ge=1, description="max-pooling kernel along the keys (odd)")
+    kernel: OddKernel = Field(7, ge=1, description="max-pooling kernel along the keys (odd)")
     mix: float = Field(0.07, ge=0, le=1, description="weight of importance against redundancy (lambda)")
     threshold: float = Field(0.5, description="cosine similarity above which two keys are redundant")
 
@@ -184,6 +199,26 @@ class RKV(_Evictor):
         return out
 
 
+class Random(_Evictor):
+    """Random eviction, the baseline: the tokens evicted are drawn uniformly among the unprotected
+    ones. The draw is a function of ``seed`` and the stream so far (its tokens, so its length), as
+    the other methods' scores are of the stream: not of wall clock, of the session's id or of other
+    sessions; it replays after a preemption, and two streams draw apart as soon as they differ
+    (streams equal up to an eviction, e.g. a group's shared prompt, evict alike there)."""
+
+    name: Literal["random"] = "random"
+    seed: int = Field(0, ge=0, description="seeds the draws, with the stream so far (same seed and stream: "
+                      "same evictions)")  # fmt: skip
+    draws: ClassVar[bool] = True
+
+    def draw(self, tokens: list[int], k_pos: torch.Tensor) -> torch.Tensor:
+        """A uniform score per live key at stream positions ``k_pos`` (the lowest go first), from a
+        generator on their device seeded by ``seed`` and the stream's ``tokens`` so far."""
+        key = hashlib.blake2b(array("q", [self.seed, *tokens]).tobytes(), digest_size=8).digest()
+        g = torch.Generator(k_pos.device).manual_seed(int.from_bytes(key, "little"))
+        return torch.rand(len(k_pos), generator=g, device=k_pos.device)
+
+
 def check_mode(evictor: _Evictor | None, mode: str) -> None:
     """A token evictor evicts in place: stream mode only (re-prefill would re-render the cache every
     ``interval`` tokens; full is the no-compaction baseline)."""
@@ -192,5 +227,7 @@ def check_mode(evictor: _Evictor | None, mode: str) -> None:
                          "set mode = 'stream' or remove [evictor]")  # fmt: skip
 
 
-EvictorConfig = Annotated[StreamingLLM | KNorm | TOVA | H2O | SnapKV | RKV, Field(discriminator="name")]
-EVICTORS = ("h2o", "snapkv", "rkv", "streamingllm", "tova", "knorm")
+EvictorConfig = Annotated[
+    StreamingLLM | KNorm | TOVA | H2O | SnapKV | RKV | Random, Field(discriminator="name")
+]
+EVICTORS = ("h2o", "snapkv", "rkv", "streamingllm", "tova", "knorm", "random")

@@ -6,7 +6,11 @@ H2O adds the attention the new queries paid to every live key (before that step'
 over the keys they saw); then, once the session has fed everything appended and is over budget —
 right after a prefill, or when ``interval`` tokens have been decoded since the last check — the
 per-head scores of every layer are averaged and the lowest-scoring unprotected tokens are evicted
-at ``e = fed``, in place and in ``evict_at``, like any other eviction.
+at ``e = fed``, in place and in ``evict_at``, like any other eviction. A method that ``draws``
+(random) skips the keys: its scores come from the session's stream.
+
+Everything here lives on the KV's device (positions, kept queries, sums, masks, scores): a GPU
+session never mixes in CPU tensors, and only the evicted indices come back to the host.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ class EvictorState:
         self.evictor = evictor
         self.head = head  # the protected system/task head: stream indices below it stay
         self.q: list[torch.Tensor | None] = [None] * n_layers  # kept queries per layer [W, H, D]
-        self.q_pos = torch.zeros(0, dtype=torch.long)
+        self.q_pos: torch.Tensor | None = None  # their stream positions [W] (made on the KV's device)
         self.acc: list[torch.Tensor] = []  # H2O: attention received per layer [Hkv, capacity]
-        self.seen = torch.zeros(0)  # H2O: queries that could see each stream index
+        self.seen: torch.Tensor | None = None  # H2O: queries that could see each stream index
         self.decoded = 0  # tokens decoded since the last check
         self.seconds = 0.0  # time spent here (the evictor's overhead)
 
@@ -42,28 +46,31 @@ class EvictorState:
         """Take the fed queries: keep the newest, and (H2O) add the attention they paid."""
         t0 = time.perf_counter()
         ev = self.evictor
-        pos = torch.arange(f.start + f.n - len(f.queries[0]), f.start + f.n) if f.queries else None
+        dev = engine.kv.device
+        end = f.start + f.n
+        pos = torch.arange(end - len(f.queries[0]), end, device=dev) if f.queries else None
         if ev.accumulates and pos is not None:
-            self._grow(f.start + f.n, engine.kv.n_kv)
+            self._grow(end, engine.kv.n_kv, dev)
             k_pos, keys = live_keys(engine, s)
             for li, q in enumerate(f.queries):
                 self.acc[li][:, k_pos] += ev.received(q, pos, keys[li], k_pos)
-            end = f.start + f.n  # query i saw keys 0..i: key j was seen by min(m, end - j) of them
-            self.seen[:end] += (end - torch.arange(end)).clamp(max=len(pos))
+            # query i saw keys 0..i: key j was seen by min(m, end - j) of them
+            self.seen[:end] += (end - torch.arange(end, device=dev)).clamp(max=len(pos))
         if ev.queries and pos is not None:
             W = ev.queries
-            self.q_pos = torch.cat([self.q_pos, pos])[-W:]
+            self.q_pos = pos if self.q_pos is None else torch.cat([self.q_pos, pos])[-W:]
             self.q = [q if old is None else torch.cat([old, q])[-W:] for old, q in zip(self.q, f.queries)]
         f.queries = []
         self.seconds += time.perf_counter() - t0
 
-    def _grow(self, n: int, n_kv: int) -> None:
+    def _grow(self, n: int, n_kv: int, device: torch.device) -> None:
         if not self.acc:
-            self.acc = [torch.zeros(n_kv, 0) for _ in self.q]
+            self.acc = [torch.zeros(n_kv, 0, device=device) for _ in self.q]
+            self.seen = torch.zeros(0, device=device)
         if self.acc[0].shape[1] < n:
             cap = max(n, 2 * self.acc[0].shape[1])
-            self.acc = [torch.cat([a, torch.zeros(n_kv, cap - a.shape[1])], 1) for a in self.acc]
-            self.seen = torch.cat([self.seen, torch.zeros(cap - len(self.seen))])
+            self.acc = [torch.cat([a, a.new_zeros(n_kv, cap - a.shape[1])], 1) for a in self.acc]
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(cap - len(self.seen))])
 
     @torch.inference_mode()
     def after_feed(self, engine: Engine, s: Session, decoded: int) -> None:
@@ -74,9 +81,13 @@ class EvictorState:
             return
         t0 = time.perf_counter()
         self.decoded = 0
-        k_pos, keys = live_keys(engine, s)
-        score = self.scores(k_pos, keys).mean((0, 1))
-        turn = torch.tensor(s.turn)[k_pos]
+        if ev.draws:  # random: no keys, a draw from the stream so far
+            k_pos, _ = live_keys(engine, s, layers=False)
+            score = ev.draw(s.tokens[: s.fed], k_pos)
+        else:
+            k_pos, keys = live_keys(engine, s)
+            score = self.scores(k_pos, keys).mean((0, 1))
+        turn = torch.tensor(s.turn, device=k_pos.device)[k_pos]
         protected = (k_pos < self.head) | (k_pos >= s.fed - ev.window)
         if ev.protect_turn:
             protected |= turn == s.turn[-1]
@@ -101,10 +112,12 @@ class EvictorState:
         return torch.stack(out)
 
 
-def live_keys(engine: Engine, s: Session) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def live_keys(engine: Engine, s: Session, layers: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A resident session's live keys in stream order: their stream positions ``[N]`` and, per layer,
-    ``[Hkv, N, D]`` (shared prefixes of a fork first, then its own row)."""
+    ``[Hkv, N, D]`` (shared prefixes of a fork first, then its own row; none unless ``layers``), all
+    on the KV's device."""
     kv, parts = engine.kv, engine.live_parts(s)
-    pos = torch.cat([kv.pos[row, e] for row, e in parts]).cpu()
-    keys = [torch.cat([kv.k[li][row][:, e] for row, e in parts], 1) for li in range(kv.n_layers)]
-    return pos, keys
+    pos = torch.cat([kv.pos[row, e] for row, e in parts])
+    if not layers:
+        return pos, []
+    return pos, [torch.cat([kv.k[li][row][:, e] for row, e in parts], 1) for li in range(kv.n_layers)]
