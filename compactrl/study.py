@@ -8,6 +8,10 @@ as another env variant or mode, on held-out episodes) and writes one row per run
 run) to ``results``. It resumes: a finished run is not trained again, a
 run with a checkpoint continues from it (``--resume``), and an evaluation already in the run's
 ``eval/`` folder is read back, so a killed study loses at most the steps since each checkpoint.
+Each row's accuracy and mean reward carry 95% intervals (``accuracy_ci``, Wilson; ``mean_reward_ci``)
+over the evaluation's episodes. A run's held-out episodes follow its ``seed`` (a shifted set for
+another seed), so only rows of the same seed and env are on the same questions: compare those
+paired (``compactrl.stats``) from the episodes in the runs' ``eval/`` files.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compactrl.config import ConfigError, load_config, read_toml
 from compactrl.plot import load_metrics
 from compactrl.rl.checkpoint import resolve_checkpoint
+from compactrl.stats import mean_ci
 
 
 class RunSpec(BaseModel):
@@ -184,7 +189,9 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
     stats = json.loads(path.read_text())
     data = json.loads(load_config(TrainConfig, config, sets).model_dump_json())  # the run's, not the eval's
     row = {"run": name, **{c: _field(data, f) for c, f in study.columns.items()}, "eval": ev.name}
-    row |= {"accuracy": stats["success_rate"], "mean_reward": stats["mean_reward"], "stderr": _stderr(stats),
+    rewards = [e["reward"] for e in stats["episode_metrics"]]  # success, as eval counts it: reward >= 1
+    row |= {"accuracy": stats["success_rate"], "accuracy_ci": mean_ci([float(r >= 1.0) for r in rewards]),
+            "mean_reward": stats["mean_reward"], "mean_reward_ci": mean_ci(rewards), "stderr": _stderr(stats),
             "episodes": stats["episodes"], "errors": stats["errors"], "checkpoint": stats["checkpoint"],
             "cpu_s": summary.get("cpu_s"), "wall_s": summary.get("wall_s"), **totals,
             "seeds": 1, "seed": cfg.seed, "steps": cfg.steps, "config": config,
@@ -193,10 +200,12 @@ def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: E
 
 
 def _per_run(rows: list[dict]) -> dict:
-    """One row for a run's evaluations: each eval's accuracy and stderr under its own name."""
-    row = {k: v for k, v in rows[0].items() if k not in ("eval", "accuracy", "mean_reward", "stderr", "set")}
+    """One row for a run's evaluations: each eval's accuracy, its interval and stderr under its name."""
+    per_eval = ("eval", "accuracy", "accuracy_ci", "mean_reward", "mean_reward_ci", "stderr", "set")
+    row = {k: v for k, v in rows[0].items() if k not in per_eval}
     for r in rows:
-        row |= {f"{r['eval']}_success": r["accuracy"], f"{r['eval']}_stderr": r["stderr"]}
+        row |= {f"{r['eval']}_success": r["accuracy"], f"{r['eval']}_success_ci": r["accuracy_ci"],
+                f"{r['eval']}_stderr": r["stderr"]}  # fmt: skip
     return row
 
 
@@ -234,7 +243,8 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
         rows = []
         for ev in study.eval:
             rows.append(_evaluate(study, name, config, sets, ev, ckpt, summary, totals, log))
-            echo(f"{name} / {ev.name}: accuracy {rows[-1]['accuracy']:.3f} +- {rows[-1]['stderr']:.3f}")
+            acc, (lo, hi) = rows[-1]["accuracy"], rows[-1]["accuracy_ci"]
+            echo(f"{name} / {ev.name}: accuracy {acc:.3f} [95% interval {lo:.3f}, {hi:.3f}]")
         if study.rows == "per_run":
             rows = [_per_run(rows)]
         with lock:  # re-read: rows another study process wrote meanwhile are kept

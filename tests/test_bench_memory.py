@@ -119,3 +119,77 @@ def test_bench_wide_overrides_apply_to_every_row_under_the_cli_and_the_rows_own(
     saved = {r: json.loads((tmp_path / "runs" / r / "config.json").read_text()) for r in ("a", "b")}
     assert [saved[r]["rollout"]["max_turns"] for r in ("a", "b")] == [2, 1]
     assert all(saved[r]["concurrency"] == 1 for r in ("a", "b")) and [r["episodes"] for r in table] == [1, 1]
+
+
+def test_rows_carry_intervals_and_a_paired_comparison_to_their_baseline(tmp_path):
+    demo = 'set = ["demo=true", "rollout.max_turns=8", "rollout.max_tokens=64"]\ncompare_to = "window"\n'
+    rows = ROWS + '[[row]]\nname = "demo"\n' + demo  # the env's solver plays: every answer right
+    bench = load_bench(bench_file(tmp_path, rows))
+    table = run_memory_bench(bench)
+    by = {r["row"]: r for r in table}
+    assert by["demo"]["accuracy"] == 1.0 and by["demo"]["accuracy_ci"][1] == 1.0  # the solver answers
+    for r in table:
+        lo, hi = r["accuracy_ci"]
+        assert 0 <= lo <= r["accuracy"] <= hi <= 1 and hi - lo > 0.3  # two questions: a wide interval
+    assert by["full"]["compared_to"] is None and by["full"]["paired_diff"] is None
+    assert [by[n]["compared_to"] for n in ("window", "h2o_at_full", "demo")] == ["full", "full", "window"]
+    for name in ("window", "h2o_at_full", "demo"):
+        r, base = by[name], by[by[name]["compared_to"]]
+        assert r["paired_diff"] == pytest.approx(r["accuracy"] - base["accuracy"])
+        assert r["paired_diff_ci"][0] <= r["paired_diff"] <= r["paired_diff_ci"][1]
+    demo = by["demo"]
+    if by["window"]["accuracy"] == 0:  # the random model answers nothing: both questions discordant
+        assert demo["paired_diff_ci"] == [1.0, 1.0] and demo["mcnemar_p"] == 0.5
+    text = markdown(table)
+    assert "[" in text.splitlines()[2] and "vs full (p " in text.splitlines()[3]
+    assert "no difference measured" in text.splitlines()[5]  # McNemar's p 0.5: not enough questions
+    # rows keep their per-question results: read back from the results file they compare as they did,
+    # run folders gone; a row from before intervals and per-question results gets Wilson from k and n
+    # and no comparison, nor do the rows compared to it
+    results = tmp_path / "rows.json"
+    drop = ("accuracy_ci", "compared_to", "paired_diff", "paired_diff_ci", "mcnemar_p", "episode_seeds",
+            "episode_correct")  # fmt: skip
+    results.write_text(json.dumps([{k: v for k, v in r.items() if k not in drop or r["row"] != "full"}
+                                   for r in table]))  # fmt: skip
+    for name in ("h2o_at_full", "demo"):
+        for f in (tmp_path / "runs" / name).iterdir():
+            f.unlink() if f.is_file() else None
+    again = {r["row"]: r for r in run_memory_bench(bench, only=["window"])}
+    assert again["full"]["accuracy_ci"] == by["full"]["accuracy_ci"] and again["full"]["compared_to"] is None
+    assert again["window"]["paired_diff"] is None and again["h2o_at_full"]["compared_to"] is None
+    assert again["demo"]["paired_diff"] == demo["paired_diff"] and again["demo"]["compared_to"] == "window"
+
+
+def test_a_random_cursor_row_deletes_at_a_sidequest_rows_realised_rate(tmp_path):
+    play = '"demo=true", "mode=stream", "rollout.max_turns=8", "rollout.max_tokens=64", "strategy.every=1"'
+    rows = (f'[[row]]\nname = "sq"\nset = [{play}, "strategy.name=sidequest", "strategy.parallel=false"]\n'
+            f'[[row]]\nname = "rand"\nset = [{play}, "strategy.name=random_cursors"]\nrate_from = "sq"\n')
+    by = {r["row"]: r for r in run_memory_bench(load_bench(bench_file(tmp_path, rows)))}
+    sq = by["sq"]
+    assert sq["deleted_cursors"] > 0 and sq["aux_offered_cursors"] >= sq["deleted_cursors"]
+    used = json.loads((tmp_path / "runs" / "rand" / "config.json").read_text())["strategy"]
+    rate = round(sq["deleted_cursors"] / sq["aux_offered_cursors"], 4)
+    assert used == {"name": "random_cursors", "rate": rate, "every": 1, "seed": 0}
+    assert by["rand"]["compared_to"] == "sq"  # the bench's baseline: its first row
+    with pytest.raises(ValidationError, match="rate_from 'b' is not an earlier row"):
+        load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\nrate_from = "b"\n[[row]]\nname = "b"\n'))
+
+
+def test_a_row_on_other_questions_than_its_baseline_is_refused_before_it_runs(tmp_path):
+    rows = '[[row]]\nname = "a"\n[[row]]\nname = "b"\nset = ["episodes=1"]\n'
+    with pytest.raises(ValueError, match="rows 'b' and 'a' have different episode seeds"):
+        run_memory_bench(load_bench(bench_file(tmp_path, rows)))
+    assert not (tmp_path / "runs" / "b").exists()
+    path = bench_file(tmp_path, rows)  # compared to itself: nothing to pair
+    path.write_text('compare_to = "b"\n' + path.read_text())
+    with pytest.raises(ValueError, match="rows 'a' and 'b' have different episode seeds"):
+        run_memory_bench(load_bench(path))
+
+
+def test_compare_to_names_an_earlier_row(tmp_path):
+    with pytest.raises(ValidationError, match="compare_to 'b' is not an earlier row"):
+        load_bench(bench_file(tmp_path, '[[row]]\nname = "a"\ncompare_to = "b"\n[[row]]\nname = "b"\n'))
+    path = bench_file(tmp_path, '[[row]]\nname = "a"\n')
+    path.write_text('compare_to = "z"\n' + path.read_text())
+    with pytest.raises(ValidationError, match="compare_to 'z' is not a row"):
+        load_bench(path)

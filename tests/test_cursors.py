@@ -15,6 +15,7 @@ from compactrl.compaction import (
     Context,
     DropOpenedSearchConfig,
     KeepLastCursorsConfig,
+    RandomCursorsConfig,
     StepView,
     build_strategy,
 )
@@ -93,6 +94,45 @@ def test_keep_last_cursors_evicts_exactly_the_older_cursors_in_place(setup):
         for c, idx in cur.items():
             assert (t.evict_at[idx] < len(t)).all() == (c not in kept_cursors)
         assert r.compactions == len(cur) - 2 and r.reprefilled_tokens == 0
+
+
+def test_random_cursor_deletion_at_rate_one_every_action_is_keep_the_newest(setup):
+    """The random control's edges: rate 1 after every action deletes every cursor but the one about
+    to be read (keep_last_cursors n = 1, token for token); rate 0 deletes nothing."""
+    every, _ = play(setup, RandomCursorsConfig(rate=1.0, every=1), "stream")
+    newest, _ = play(setup, KeepLastCursorsConfig(n=1), "stream")
+    for r, k in zip(every, newest, strict=True):
+        assert np.array_equal(r.traces[0].evict_at, k.traces[0].evict_at) and r.compactions > 0
+    none, _ = play(setup, RandomCursorsConfig(rate=0.0, every=1), "stream")
+    assert all(r.compactions == 0 and r.evicted_tokens == 0 for r in none)
+
+
+def test_random_cursor_deletion_is_seeded_and_deletes_at_its_rate(setup):
+    """At rate 0.5 the same seed deletes the same cursors, another seed others; over nine seeds
+    between a quarter and three quarters of the cursors go; they go whole and engine == trainer."""
+    import torch
+
+    from compactrl.rl.forward import stream_logprobs
+
+    def deleted(seed):
+        results, _ = play(setup, RandomCursorsConfig(rate=0.5, every=1, seed=seed), "stream")
+        return results, [sorted(set(r.traces[0].cursor[r.traces[0].evict_at < len(r.traces[0])].tolist()))
+                         for r in results]  # fmt: skip
+
+    (results, a), (_, again) = deleted(0), deleted(0)
+    draws = [deleted(s)[1] for s in range(1, 9)]
+    assert a == again and any(d != a for d in draws)
+    offered = sum(len(spans(r.traces[0])) - 1 for r in results)  # every cursor but the last is offered
+    gone = [sum(map(len, d)) for d in [a, *draws]]
+    assert 0.25 < sum(gone) / (len(gone) * offered) < 0.75
+    model = setup[0].model
+    for r in results:
+        (t,) = r.traces
+        for idx in spans(t).values():
+            assert len(set((t.evict_at[idx] < len(t)).tolist())) == 1  # whole or not at all
+        with torch.no_grad():
+            (lp,) = stream_logprobs(model, [t])
+        assert np.abs(lp.double().numpy()[t.trainable] - t.logprobs[t.trainable]).max() < 5e-5
 
 
 def test_reprefill_renders_the_kept_cursors_again_without_the_deleted_ones(setup):

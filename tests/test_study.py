@@ -42,6 +42,9 @@ def test_a_study_trains_its_grid_evaluates_and_resumes(tmp_path):
     assert all(r["mode"] == "stream" for r in rows)  # a column is the run's field, not the eval's --set
     assert all(r["episodes"] == 3 and r["checkpoint"].endswith("step_00000002") for r in rows)
     assert rows[0]["cpu_s"] > 0 and rows[0]["stderr"] >= 0
+    for r in rows:  # 95% intervals over the evaluation's 3 episodes
+        assert r["accuracy_ci"][0] <= r["accuracy"] <= r["accuracy_ci"][1] and r["accuracy_ci"][1] > 0
+        assert r["mean_reward_ci"][0] <= r["mean_reward"] <= r["mean_reward_ci"][1]
     saved = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert saved == json.loads(json.dumps(rows))
     # run again: nothing is trained or evaluated twice (the logs and eval files stay as they were)
@@ -103,7 +106,8 @@ def test_a_later_stage_starts_from_an_earlier_runs_checkpoint_and_rows_can_be_pe
     ]  # fmt: skip
     for r in rows:  # one row per run: each eval's success and stderr side by side
         assert {"final_success", "final_stderr", "full_success", "full_stderr"} <= set(r)
-        assert "eval" not in r and "accuracy" not in r
+        assert r["final_success_ci"][0] <= r["final_success"] <= r["final_success_ci"][1]
+        assert "eval" not in r and "accuracy" not in r and "accuracy_ci" not in r
         assert r["gen_s"] > 0 and r["train_s"] > 0 and r["wall_s"] >= r["gen_s"] + r["train_s"]
     kept = tmp_path / "runs" / "tuned_stream" / "eval" / "step_00000001-greedy-study-final.traces.jsonl"
     assert kept.is_file() and not list(

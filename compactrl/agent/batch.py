@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +32,7 @@ from compactrl.models.loading import DTYPES
 from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tokenizer import Tokenizer
 from compactrl.provenance import provenance
+from compactrl.stats import mean_ci
 from compactrl.trace import save_traces
 
 
@@ -82,7 +84,7 @@ class RolloutConfig(BaseModel):
     evictor: EvictorConfig | None = Field(
         None,
         description="a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, "
-        "knorm; see compactrl.compaction.evictors), alone or with the strategy",
+        "knorm, random; see compactrl.compaction.evictors), alone or with the strategy",
     )
     mode: Literal["full", "reprefill", "stream"] = Field(
         "stream",
@@ -151,14 +153,24 @@ async def run_episodes(
     ``demo``: the env writes every answer (SFT demonstrations, rendered as rollouts are)."""
     sample_seeds = seeds if sample_seeds is None else sample_seeds
     gate = asyncio.Semaphore(concurrency)
+    # one worker per episode in flight, each of which waits on one env call at a time: no call queues
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="env")
 
     async def one(i: int, seed: int) -> EpisodeResult:
         async with gate:
-            env = make()
+            env = None
             try:
-                return await Episode(
-                    engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i], demo, evictor
-                ).run()
+                env = make()
+                episode = Episode(engine, fmt, env, strategy, mode, settings, seed, i, sample_seeds[i], demo,
+                                  evictor, pool)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - an env that cannot be made fails its episode only
+                name = getattr(env, "name", "env")
+                failed = EpisodeResult(i, seed, name, mode, getattr(strategy, "name", "none"))
+                failed.error = f"{type(e).__name__}: {e}"
+                advance()
+                return failed
+            try:
+                return await episode.run()
             finally:
                 try:
                     env.close()
@@ -176,6 +188,7 @@ async def run_episodes(
         return work.result()
     finally:
         serve.cancel()
+        pool.shutdown(wait=False)  # a hung env call's thread cannot be joined
 
 
 def summarize(results: list[EpisodeResult]) -> dict:
@@ -185,8 +198,9 @@ def summarize(results: list[EpisodeResult]) -> dict:
     total = {k: int(sum(getattr(r, k) for r in results)) for k in (
         "tokens", "generated_tokens", "compactions", "prefilled_tokens", "reprefilled_tokens",
         "predicted_reprefilled_tokens", "kv_reads", "evicted_tokens", "evictions", "pick_fallbacks",
-        "preemptions", "aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
-        "aux_unfinished", "aux_tokens", "aux_kv_reads", "aux_kept_unread")}  # fmt: skip
+        "preemptions", "aux_calls", "deleted_cursors", "aux_offered_cursors", "aux_parse_failures",
+        "aux_no_room", "aux_unknown_cursors", "aux_unseen_cursors", "aux_unfinished", "aux_tokens",
+        "aux_kv_reads", "aux_kept_unread")}  # fmt: skip
     n = max(1, len(results))
     return {
         "episodes": len(results),
@@ -195,6 +209,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "at_position_limit": sum(r.at_position_limit for r in results),
         "longest_stream": max((len(t) for r in results for t in r.traces), default=0),
         "mean_reward": mean("reward"),
+        "mean_reward_ci": mean_ci([r.reward for r in results]),  # 95%; None without episodes
         "mean_turns": mean("turns"),
         "peak_live_kv": max((r.peak_live_kv for r in results), default=0),
         "mean_peak_live_kv": mean("peak_live_kv"),
@@ -203,6 +218,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "non_completion": {c: sum(r.non_completion == c for r in results) / n for c in NON_COMPLETION},
         # answered correctly, as the env says (info["correct"]; 0 for an env that never says)
         "accuracy": sum(bool(r.info.get("correct")) for r in results) / n,
+        "accuracy_ci": mean_ci([float(bool(r.info.get("correct"))) for r in results]),  # Wilson, 95%
         **_deletion_quality(results),
     }
 

@@ -119,6 +119,7 @@ class EpisodeResult:
     pick_fallbacks: int = 0
     aux_calls: int = 0  # SideQuest: auxiliary threads run
     deleted_cursors: int = 0  # cursors their answers deleted
+    aux_offered_cursors: int = 0  # per landed answer, the cursors it could delete (rate: deleted / offered)
     aux_parse_failures: int = 0  # answers with no readable {"del_cursors": [...]}
     aux_no_room: int = 0  # threads that could not run or finish: no room (positions or KV pool) to fork
     aux_unknown_cursors: int = 0  # named cursors that were not open (never made, or deleted)
@@ -465,6 +466,7 @@ class Episode:
         if answer is None:
             r.aux_no_room += 1
             return
+        r.aux_offered_cursors += len(set(th.seen) - (th.unread if plan.keep_unread else set()))
         delete, unknown = plan.split(answer, set(th.seen) & set(now))
         unseen = [c for c in unknown if c in now]  # open now, but not when the thread looked
         r.aux_parse_failures += delete is None

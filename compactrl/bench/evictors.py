@@ -2,14 +2,17 @@
 step-wise strategies, on the rooms task and on the recall task, the same episodes for every row.
 
 Budgets are fractions of the full-context run's peak live KV, so they mean the same for any model
-and tokenizer (default per task: rooms 0.25 and 0.5, recall 0.6 and 0.8). Per row: reward (mean
-and standard error), peak live KV, KV reads, evicted tokens and eviction calls per episode,
-non-completion by cause (unparsable answer, turn limit, position limit, error), decode tokens/s,
-``overhead`` (the evictor's own time, scoring and keeping queries, as a fraction of the engine's
-forward time: its cost per decode step) and ``max_abs_logprob_diff`` (the engine's sampled
-log-probs against the trainer's one-pass forward over every episode's trace, the evictions
-replayed by the mask). Rollouts are sampled at temperature 1, so the logged log-probs are the
-model's.
+and tokenizer (default per task: rooms 0.25 and 0.5, recall 0.6 and 0.8). Per row: reward (mean,
+standard error and 95% interval ``reward_ci``), ``accuracy`` and ``accuracy_ci`` (the env's
+``correct``), the reward's paired difference to the task's full-context row on the same episode
+seeds (``compared_to``, ``paired_diff`` with its interval ``paired_diff_ci``, and McNemar's exact
+``mcnemar_p`` when rewards are 0/1; see ``compactrl.stats``), peak live KV, KV reads, evicted
+tokens and eviction calls per episode, non-completion by cause (unparsable answer, turn limit,
+position limit, error), decode tokens/s, ``overhead`` (the evictor's own time, scoring and keeping
+queries, as a fraction of the engine's forward time: its cost per decode step) and
+``max_abs_logprob_diff`` (the engine's sampled log-probs against the trainer's one-pass forward
+over every episode's trace, the evictions replayed by the mask). Rollouts are sampled at
+temperature 1, so the logged log-probs are the model's.
 
 On recall the evictor may take any token but the head and its window of 40 (``protect_turn`` off,
 the window covers the question as it is read): the counting turn is where the assignment must
@@ -31,12 +34,13 @@ from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import NON_COMPLETION, RolloutSettings
 from compactrl.bench.trainer import machine_info
 from compactrl.compaction import EvictSteps, Markovian, SlidingWindow, build_strategy
-from compactrl.compaction.evictors import EVICTORS, H2O, RKV, TOVA, KNorm, SnapKV, StreamingLLM
+from compactrl.compaction.evictors import EVICTORS, H2O, RKV, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import RecallConfig, RoomsConfig, make_env
 from compactrl.models.loading import config_summary
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
+from compactrl.stats import compare, mean_ci
 
 METHODS = {
     "h2o": H2O,
@@ -45,6 +49,7 @@ METHODS = {
     "streamingllm": StreamingLLM,
     "tova": TOVA,
     "knorm": KNorm,
+    "random": Random,
 }
 assert tuple(METHODS) == EVICTORS
 TASKS = {
@@ -89,9 +94,14 @@ def _run(engine: Engine, task: dict, strategy_cfg, evictor, mode: str, seeds: li
         if (m := torch.as_tensor(t.trainable)).any()
     )
     n = len(results)
+    correct = [float(bool(r.info.get("correct"))) for r in results]
+    scored = {"accuracy": float(np.mean(correct)), "accuracy_ci": mean_ci(correct)}
     return {
         "reward": float(rewards.mean()),
         "stderr": float(rewards.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+        "reward_ci": mean_ci(rewards),
+        **(scored if any("correct" in r.info for r in results) else {}),  # the task says what is correct
+        "per_seed": {r.seed: r.reward for r in results},  # for the paired comparison, then dropped
         "peak_live_kv": max(r.peak_live_kv for r in results),
         "kv_reads": sum(r.kv_reads for r in results) / n,
         "evicted_tokens": sum(r.evicted_tokens for r in results) / n,
@@ -156,13 +166,24 @@ def run_evictors_bench(
         full = rows[0]["decode_tokens_per_s"]
         for r in rows:
             r["decode_speed_vs_full"] = r["decode_tokens_per_s"] / full if full else 0.0
+        _pair(rows)
         out["tasks"][name] = {"env": task["env"].model_dump(), "full_peak_live_kv": peak, "rows": rows}
     return out
 
 
+def _pair(rows: list[dict]) -> None:
+    """Each row's reward against full context's (the first row) on the same episode seeds: the
+    paired difference and its interval, in place; the per-episode rewards are not kept."""
+    per_seed = [r.pop("per_seed") for r in rows]
+    rows[0] |= dict.fromkeys(("compared_to", "paired_diff", "paired_diff_ci", "mcnemar_p"))
+    for r, x in zip(rows[1:], per_seed[1:], strict=True):
+        label = r["name"] if r["budget"] is None else f"{r['name']} at {r['budget']}"
+        r |= compare(x, per_seed[0], label, rows[0]["name"])
+
+
 def plot_evictors(result: dict, path: Path) -> Path:
-    """Reward against peak live KV per task: one marker per method, full context and the step-wise
-    strategies as reference points."""
+    """Reward (95% interval as error bars) against peak live KV per task: one marker per method,
+    full context and the step-wise strategies as reference points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +191,7 @@ def plot_evictors(result: dict, path: Path) -> Path:
 
     tasks = result["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
-    markers = dict(zip(EVICTORS, "os^vDP", strict=True))
+    markers = dict(zip(EVICTORS, "os^vDPX", strict=True))
     names = list(dict.fromkeys(r["name"] for t in tasks.values() for r in t["rows"]))
     colors = {n: f"C{i % 10}" for i, n in enumerate(names)}  # one colour per row name, every budget
     for ax, (name, t) in zip(axes[0], tasks.items(), strict=True):
@@ -178,13 +199,15 @@ def plot_evictors(result: dict, path: Path) -> Path:
             style = dict(
                 marker=markers.get(r["name"], "*"), s=60 if r["budget"] else 140, color=colors[r["name"]]
             )
-            ax.errorbar(r["peak_live_kv"], r["reward"], yerr=r["stderr"], fmt="none", ecolor="0.7")
+            lo, hi = r.get("reward_ci") or (r["reward"] - r["stderr"], r["reward"] + r["stderr"])
+            ax.errorbar(r["peak_live_kv"], r["reward"], yerr=[[r["reward"] - lo], [hi - r["reward"]]],
+                        fmt="none", ecolor="0.7", capsize=2)  # fmt: skip
             ax.scatter(r["peak_live_kv"], r["reward"], label=r["name"], **style)
         handles, labels = ax.get_legend_handles_labels()
         seen = dict(zip(labels, handles, strict=True))
         ax.legend(seen.values(), seen.keys(), fontsize=7)
         ax.set(title=f"{name} ({result['episodes']} episodes per point)", xlabel="peak live KV (tokens)",
-               ylabel="reward")  # fmt: skip
+               ylabel="reward (95% interval)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,6 +6,14 @@ held-out episodes as one `compactrl rollout` run in ``out/<row>``. A row with ``
 runs its evictor at another row's realised mean peak live KV (an evictor at SideQuest's memory).
 A row whose folder already holds a summary of the same config is read back, so a killed bench
 resumes. Rows go to ``results`` (JSON) and accuracy against peak live KV to ``plot`` (PNG).
+
+Each row's accuracy carries its 95% Wilson interval (``accuracy_ci``), and each row is compared,
+paired on the same questions (episode seeds), to a baseline row: the bench's ``compare_to``, by
+default the first row (full context in the shipped benches), or the row's own ``compare_to``. The
+row gets the mean difference in accuracy (``paired_diff``, row minus baseline), its paired
+bootstrap interval (``paired_diff_ci``), McNemar's exact p-value (``mcnemar_p``) and the
+baseline's name (``compared_to``); a row whose or whose baseline's episodes are not in their run
+folders (a row read back from an older results file) gets None there.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from compactrl.agent.batch import RolloutConfig, rollout
 from compactrl.config import load_config, read_toml
+from compactrl.stats import align, compare, fmt_ci, mean_ci, verdict, wilson
 
 
 class Row(BaseModel):
@@ -29,6 +38,14 @@ class Row(BaseModel):
         None,
         description="evictor.budget = this earlier row's mean peak live KV (rounded; the row sets no budget)",
     )
+    rate_from: str | None = Field(
+        None, description="strategy.rate = this earlier SideQuest row's realised deletion rate (deleted / "
+        "offered cursors; for a random_cursors row: deletions at random, as often)"
+    )  # fmt: skip
+    compare_to: str | None = Field(
+        None, description="compare accuracy, paired on the same questions, to this earlier row "
+        "(default: the bench's compare_to)"
+    )  # fmt: skip
 
 
 class MemoryBench(BaseModel):
@@ -41,6 +58,10 @@ class MemoryBench(BaseModel):
     )
     results: str = Field(description="JSON file of the rows")
     plot: str | None = Field(None, description="PNG of accuracy against mean peak live KV")
+    compare_to: str | None = Field(
+        None, description="the row every other row is compared to, paired on the same questions "
+        "(default: the first row, full context)"
+    )  # fmt: skip
     row: list[Row] = Field(min_length=1, description="the rows, in order ([[row]] tables)")
 
     @model_validator(mode="after")
@@ -49,10 +70,18 @@ class MemoryBench(BaseModel):
         for r in self.row:
             if r.name in seen:
                 raise ValueError(f"row {r.name!r} appears twice; give each row its own name")
-            if r.budget_from is not None and r.budget_from not in seen:
-                raise ValueError(f"row {r.name!r}: budget_from {r.budget_from!r} is not an earlier row")
+            for field in ("budget_from", "rate_from", "compare_to"):
+                if getattr(r, field) is not None and getattr(r, field) not in seen:
+                    raise ValueError(f"row {r.name!r}: {field} {getattr(r, field)!r} is not an earlier row")
             seen.add(r.name)
+        if self.compare_to is not None and self.compare_to not in seen:
+            raise ValueError(f"compare_to {self.compare_to!r} is not a row; rows: {sorted(seen)}")
         return self
+
+    def baseline(self, row: Row) -> str | None:
+        """The row ``row`` is compared to (None: the baseline itself)."""
+        name = row.compare_to or self.compare_to or self.row[0].name
+        return None if name == row.name else name
 
 
 def load_bench(path: str | Path) -> MemoryBench:
@@ -76,6 +105,15 @@ def _run(cfg: RolloutConfig, progress=None) -> tuple[dict, list[dict]]:
     return json.loads(done.read_text()), episodes
 
 
+def _correct(episodes: list[dict]) -> dict[int, float]:
+    """Episode seed -> 1.0 if answered correctly (the question a paired comparison matches on)."""
+    return {e["seed"]: float(bool(e["info"].get("correct"))) for e in episodes}
+
+
+def _seeds(cfg: RolloutConfig) -> dict[int, float]:
+    return dict.fromkeys(range(cfg.seed, cfg.seed + cfg.episodes), 0.0)
+
+
 def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
     n = s["episodes"]
     # the main thread and its auxiliary threads together (None: a row with threads run before they
@@ -90,6 +128,10 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "row": name, "strategy": cfg.strategy.name, "mode": cfg.mode,
         "evictor": cfg.evictor.name if cfg.evictor else None,
         "budget": cfg.evictor.budget if cfg.evictor else None, "episodes": n, "accuracy": s["accuracy"],
+        "accuracy_ci": mean_ci(list(_correct(episodes).values())),
+        # per question (episode seed), what a paired comparison matches on, kept with the row
+        "episode_seeds": [e["seed"] for e in episodes],
+        "episode_correct": [int(bool(e["info"].get("correct"))) for e in episodes],
         "accuracy_by_hops": {h: sum(v) / len(v) for h, v in sorted(by_hops.items())},
         "mean_peak_live_kv": s["mean_peak_live_kv"], "peak_live_kv": s["peak_live_kv"],
         "kv_reads_per_episode": s["kv_reads"] / n,
@@ -104,16 +146,9 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "provenance": s.get("provenance"),  # None: a row run before it was recorded
     }  # fmt: skip
     if s.get("aux_calls"):
-        keys = (
-            "aux_calls",
-            "deleted_cursors",
-            "aux_parse_failures",
-            "aux_unknown_cursors",
-            "aux_unfinished",
-            "aux_tokens",
-            "aux_kept_unread",
-        )
-        keys += ("deletion_precision", "deletion_recall")
+        keys = ("aux_calls", "deleted_cursors", "aux_offered_cursors", "aux_parse_failures",
+                "aux_no_room", "aux_unknown_cursors", "aux_unseen_cursors", "aux_unfinished", "aux_tokens",
+                "aux_kept_unread", "deletion_precision", "deletion_recall")  # fmt: skip
         row |= {k: s.get(k) for k in keys}  # None: a row run before the counter existed
     return row
 
@@ -124,21 +159,27 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
     budget from), keeping the other rows in ``results`` as they are when this run ends."""
     wanted = set(only or [r.name for r in bench.row])
     for r in reversed(bench.row):
-        if r.name in wanted and r.budget_from:
-            wanted.add(r.budget_from)
+        if r.name in wanted:
+            wanted |= {r.budget_from, r.rate_from} - {None}
     unknown = set(only or []) - {r.name for r in bench.row}
     if unknown:
         raise ValueError(f"--only {sorted(unknown)}: no such row; rows: {[r.name for r in bench.row]}")
     rows: dict[str, dict] = {}
+    cfgs: dict[str, RolloutConfig] = {}
     for r in (r for r in bench.row if r.name in wanted):
         extra = [*bench.set, *sets, *r.set, f"out={Path(bench.out) / r.name}"]
         if r.budget_from:
             extra.append(f"evictor.budget={round(rows[r.budget_from]['mean_peak_live_kv'])}")
-        cfg = load_config(RolloutConfig, Path(bench.base), extra)
+        if r.rate_from:
+            extra.append(f"strategy.rate={deletion_rate(rows[r.rate_from])}")
+        cfg = cfgs[r.name] = load_config(RolloutConfig, Path(bench.base), extra)
+        if (base := bench.baseline(r)) in cfgs:  # other questions than its baseline's: refused before running
+            align(_seeds(cfg), _seeds(cfgs[base]), r.name, base)
         rows[r.name] = _row(r.name, cfg, *_run(cfg, progress))
     results = Path(bench.results)  # read now, not at the start: a parallel --only run may have written
     kept = {r["row"]: r for r in json.loads(results.read_text())} if results.exists() and only else {}
     table = [rows.get(r.name) or kept[r.name] for r in bench.row if r.name in rows or r.name in kept]
+    _compare(bench, table)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(table, indent=1) + "\n")
     if bench.plot:
@@ -146,12 +187,52 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
     return table
 
 
+def _compare(bench: MemoryBench, table: list[dict]) -> None:
+    """Each row's interval and paired comparison to its baseline, in place, from the per-question
+    results the rows keep (no comparison for a row from before they were kept)."""
+    by_name = {r["row"]: r for r in table}
+
+    def correct(row: dict) -> dict[int, float] | None:
+        seeds = row.get("episode_seeds")
+        return None if seeds is None else dict(zip(seeds, map(float, row["episode_correct"]), strict=True))
+
+    for spec in bench.row:
+        row, base = by_name.get(spec.name), bench.baseline(spec)
+        if row is None:
+            continue
+        if row.get("accuracy_ci") is None:  # a row from before intervals: Wilson needs only k and n
+            row["accuracy_ci"] = wilson(round(row["accuracy"] * row["episodes"]), row["episodes"])
+        row |= dict.fromkeys(("compared_to", "paired_diff", "paired_diff_ci", "mcnemar_p"))
+        if base in by_name and (a := correct(row)) and (b := correct(by_name[base])):
+            row |= compare(a, b, spec.name, base)
+
+
+def deletion_rate(row: dict) -> float:
+    """A SideQuest row's realised deletion rate: the cursors its landed answers deleted over those
+    they were offered (what ``rate_from`` gives a random_cursors row)."""
+    if not row.get("aux_offered_cursors"):
+        raise ValueError(f"rate_from row {row['row']!r} has no auxiliary thread offered any cursor: "
+                         "take the rate from a SideQuest row that deleted")  # fmt: skip
+    return round(row["deleted_cursors"] / row["aux_offered_cursors"], 4)
+
+
 def markdown(table: list[dict]) -> str:
-    """The README's table: each row against the first (full context)."""
+    """The README's table: each row's accuracy with its 95% interval, its paired difference to its
+    baseline row with the difference's interval and what may be said of it, and its memory against
+    the first row (full context)."""
     full = table[0]
-    head = ("| row | accuracy | peak live KV | KV reads / episode | with threads: peak | KV reads "
-            "| turn limit | unparsable | position limit |")  # fmt: skip
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| row | accuracy [95% CI] | vs baseline: paired difference [95% CI] | peak live KV "
+            "| KV reads / episode | with threads: peak | KV reads | turn limit | unparsable "
+            "| position limit |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def vs_base(r: dict) -> str:
+        ci, base = r.get("paired_diff_ci"), r.get("compared_to")
+        if ci is None:
+            return "-"
+        p = r.get("mcnemar_p")
+        said = f"{fmt_ci(r['paired_diff'], ci, True)} vs {base}" + ("" if p is None else f" (p {p:.2g})")
+        return f"{said}: {verdict(ci, r['row'], base, p)}"
 
     def vs_full(r: dict, key: str) -> str:
         v, base = r.get(key), full.get(key)
@@ -162,7 +243,7 @@ def markdown(table: list[dict]) -> str:
     for r in table:
         nc = r["non_completion"]
         cells = [
-            r["row"], f"{r['accuracy']:.2f}", *(vs_full(r, k) for k in (
+            r["row"], fmt_ci(r["accuracy"], r.get("accuracy_ci")), vs_base(r), *(vs_full(r, k) for k in (
                 "mean_peak_live_kv", "kv_reads_per_episode", "mean_peak_kv_with_threads",
                 "kv_reads_with_threads_per_episode")),
             *(f"{nc[c]:.2f}" for c in ("turn_limit", "unparsable", "position_limit")),
@@ -183,13 +264,17 @@ def plot_memory(table: list[dict], path: Path) -> Path:
     colors = [c for i, c in enumerate(plt.cm.tab10.colors) if i != 7]  # grey is the solver's (demo rows)
     for i, r in enumerate(table, 1):  # numbered, the names in the legend: close points stay legible
         color = "grey" if r.get("demo") else colors[i % len(colors)]
+        if r.get("accuracy_ci"):  # the 95% interval
+            (lo, hi), acc = r["accuracy_ci"], r["accuracy"]
+            ax.errorbar(r["mean_peak_live_kv"], acc, yerr=[[acc - lo], [hi - acc]], fmt="none", ecolor=color,
+                        alpha=0.5, capsize=2, lw=1)  # fmt: skip
         ax.scatter(r["mean_peak_live_kv"], r["accuracy"], marker=MODE_MARKERS.get(r["mode"], "o"), s=40,
                    color=color, label=f"{i} {r['row']}")  # fmt: skip
         ax.annotate(str(i), (r["mean_peak_live_kv"], r["accuracy"]), fontsize=7, xytext=(4, 2),
                     textcoords="offset points")  # fmt: skip
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     ax.set_xlabel("mean peak live KV per episode (tokens)")
-    ax.set_ylabel(f"accuracy ({table[0]['episodes']} held-out questions)")
+    ax.set_ylabel(f"accuracy, 95% interval ({table[0]['episodes']} held-out questions)")
     ax.set_title("accuracy against memory (circles stream, squares reprefill, diamond full)", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()

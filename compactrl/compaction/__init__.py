@@ -19,7 +19,7 @@ from compactrl.compaction.base import (
     TokenBudget,
     Trigger,
 )
-from compactrl.compaction.cursors import DropOpenedSearch, DropUnreferenced, KeepLastCursors
+from compactrl.compaction.cursors import DropOpenedSearch, DropUnreferenced, KeepLastCursors, RandomCursors
 from compactrl.compaction.pick import Pick
 from compactrl.compaction.sidequest import TRIGGER, AuxEvery, AuxThread
 from compactrl.compaction.summary import Summarize
@@ -118,6 +118,17 @@ class DropUnreferencedConfig(_Config):
     m: int = Field(3, ge=1, description="actions without a reference after which a cursor goes")
 
 
+class RandomCursorsConfig(_Config):
+    """Cursor rule, the control for a learned deleter: after every ``every``-th action each open
+    cursor (its output in) is deleted with probability ``rate`` (bench memory's ``rate_from`` sets
+    it to a SideQuest row's realised rate)."""
+
+    name: Literal["random_cursors"] = "random_cursors"
+    rate: float = Field(0.5, ge=0, le=1, description="probability that an open cursor is deleted at a call")
+    every: int = Field(2, ge=1, description="actions between calls (as SideQuest's every)")
+    seed: int = Field(0, ge=0, description="seeds the draws (hashed with the cursor, the action, its text)")
+
+
 class SideQuestConfig(_Config):
     """SideQuest: after every ``every``-th action an auxiliary thread, a fork sharing the main
     thread's KV, names the tool outputs (cursors) to delete; its tokens never enter the main stream."""
@@ -173,6 +184,7 @@ StrategyConfig = Annotated[
     | KeepLastCursorsConfig
     | DropOpenedSearchConfig
     | DropUnreferencedConfig
+    | RandomCursorsConfig
     | SideQuestConfig,
     Field(discriminator="name"),
 ]
@@ -201,6 +213,8 @@ def build_strategy(cfg) -> Strategy | None:
         return Strategy(cfg.name, rule := DropOpenedSearch(), rule, params)
     if isinstance(cfg, DropUnreferencedConfig):
         return Strategy(cfg.name, rule := DropUnreferenced(cfg.m), rule, params)
+    if isinstance(cfg, RandomCursorsConfig):
+        return Strategy(cfg.name, rule := RandomCursors(cfg.rate, cfg.every, cfg.seed), rule, params)
     if isinstance(cfg, SideQuestConfig):
         return Strategy(
             cfg.name,

@@ -5,11 +5,13 @@ holds a tool output is that cursor, its call and output deleted whole, in place 
 re-prefilling the rest (reprefill), as every step-wise strategy does.
 
 Each rule is its own trigger and plan: it compacts at a step boundary exactly when it has
-something to delete.
+something to delete. ``RandomCursors`` is the control a learned deleter (SideQuest) is measured
+against: it deletes as often as that deleter did, at random.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from compactrl.compaction.base import Context, Decision, Request, StepView
@@ -70,3 +72,25 @@ class DropUnreferenced(_Rule):
 
     def stale(self, ctx: Context) -> list[int]:
         return [s.cursor for s in live_cursors(ctx) if ctx.step - s.last_used >= self.m]
+
+
+@dataclass(frozen=True)
+class RandomCursors(_Rule):
+    """After every ``every``-th action, delete each open cursor with probability ``rate``, as
+    SideQuest's thread is called and offered them: the cursors whose output is in (the output this
+    action's call is about to read is not). A draw is a hash of ``seed``, the cursor, the action and
+    the cursor's text: the same episode draws alike in every run, episodes draw apart."""
+
+    rate: float
+    every: int
+    seed: int
+
+    def _draw(self, ctx: Context, s: StepView) -> float:
+        key = hashlib.blake2b(f"{self.seed}/{s.cursor}/{ctx.step}/{s.text}".encode(), digest_size=8)
+        return int.from_bytes(key.digest(), "little") / 2**64
+
+    def stale(self, ctx: Context) -> list[int]:
+        if ctx.step % self.every:
+            return []
+        offered = [s for s in live_cursors(ctx) if s.referenced or s.last_used < ctx.step]
+        return [s.cursor for s in offered if self._draw(ctx, s) < self.rate]
