@@ -151,6 +151,7 @@ def train_cmd(
 ) -> None:
     """Train a policy on multi-turn episodes with compaction (sample -> train -> repeat)."""
     from compactrl.rl.loop import Interrupted, TrainConfig, train
+    from compactrl.rl.trainer import DataParallelError
 
     cfg = load_run_config(TrainConfig, config, overrides)
 
@@ -174,6 +175,8 @@ def train_cmd(
             last = train(cfg, resume=resume, overwrite=overwrite, progress=progress, on_step=show)
     except Interrupted as e:
         fail(str(e), code=130)
+    except DataParallelError as e:  # a rank failed: no rank stepped; the message says how to resume
+        fail(str(e))
     except KeyboardInterrupt:
         fail(
             f"stopped without saving this step; --resume continues from the newest checkpoint in {cfg.out}",
@@ -216,6 +219,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a policy on held-out episodes without training; one result file per checkpoint."""
     from compactrl.rl.loop import TrainConfig, evaluate
+    from compactrl.stats import fmt_ci, mean_ci
 
     cfg = load_run_config(TrainConfig, config, overrides)
     if episodes < 1:
@@ -230,13 +234,18 @@ def eval_cmd(
         fail(str(e))
     except OSError as e:
         fail(os_error(e))
+    # 95% intervals over the held-out episodes (success as the result counts it: reward >= 1)
+    rewards = [e["reward"] for e in json.loads(Path(result["path"]).read_text())["episode_metrics"]]
+    result.setdefault("mean_reward_ci", mean_ci(rewards))
+    result.setdefault("success_rate_ci", mean_ci([float(r >= 1.0) for r in rewards]))
     if as_json:
         emit_json(result)
     else:
         out.print(
             f"{result['checkpoint'] or 'initial model'}: {result['episodes']} episodes, mean reward "
-            f"{result['mean_reward']:.3f}, success {result['success_rate']:.1%}, errors {result['errors']}; "
-            f"wrote {result['path']}"
+            f"{fmt_ci(result['mean_reward'], result['mean_reward_ci'])}, success "
+            f"{fmt_ci(result['success_rate'], result['success_rate_ci'])} (95% intervals), "
+            f"errors {result['errors']}; wrote {result['path']}"
         )
 
 
@@ -836,7 +845,7 @@ def bench_evictors(
         typer.Option("--model", help="Model folder, e.g. a checkpoint's model/ (default: generated)."),
     ] = None,
     task: Annotated[list[str] | None, typer.Option(help="rooms | recall (repeatable; default both).")] = None,
-    evictor: Annotated[list[str] | None, typer.Option(help="Evictors (repeatable; default all six).")] = None,
+    evictor: Annotated[list[str] | None, typer.Option(help="Evictors (repeatable; default all 7).")] = None,
     budget: Annotated[
         list[float] | None,
         typer.Option(
@@ -853,6 +862,7 @@ def bench_evictors(
     """Every token evictor at several budgets vs full context and step-wise strategies."""
     from compactrl.bench.evictors import TASKS, plot_evictors, run_evictors_bench
     from compactrl.compaction.evictors import EVICTORS
+    from compactrl.stats import fmt_ci, verdict
 
     tasks, methods = tuple(task or TASKS), tuple(evictor or EVICTORS)
     fractions = tuple(budget) if budget else None
@@ -882,13 +892,16 @@ def bench_evictors(
         table = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title=f"{name}: full-context peak {t['full_peak_live_kv']}"
         )
-        columns = ("row", "budget", "reward", "peak KV", "KV reads/ep", "evictions/ep", "not done",
-                   "overhead", "decode vs full", "logprob diff")  # fmt: skip
+        columns = ("row", "budget", "reward [95% CI]", "vs full, paired [95% CI]", "peak KV", "KV reads/ep",
+                   "evictions/ep", "not done", "overhead", "decode vs full", "logprob diff")  # fmt: skip
         for c in columns:
             table.add_column(c, no_wrap=True)
         for r in t["rows"]:
+            ci = r["paired_diff_ci"]
+            said = ci and verdict(ci, r["name"], r["compared_to"], r["mcnemar_p"])
+            vs = f"{fmt_ci(r['paired_diff'], ci, True)}: {said}" if ci else "-"
             table.add_row(
-                r["name"], str(r["budget"] or "-"), f"{r['reward']:.2f} ± {r['stderr']:.2f}",
+                r["name"], str(r["budget"] or "-"), fmt_ci(r["reward"], r["reward_ci"]), vs,
                 str(r["peak_live_kv"]), f"{r['kv_reads']:.0f}", f"{r['evictions']:.1f}",
                 str(r["non_completion"]), f"{r['overhead']:.2f}", f"{r['decode_speed_vs_full']:.2f}",
                 f"{r['max_abs_logprob_diff']:.1e}",

@@ -5,6 +5,7 @@ falls back to a default)."""
 
 from __future__ import annotations
 
+import math
 import sys
 import tomllib
 import types
@@ -22,11 +23,14 @@ class ConfigError(ValueError):
 
 
 def _parse_value(text: str) -> Any:
-    """A TOML literal (``3``, ``true``, ``"x"``, ``[1, 2]``), else the raw string."""
+    """A TOML literal (``3``, ``true``, ``"x"``, ``[1, 2]``), else the raw string. TOML's ``inf`` and
+    ``nan`` stay text: a string field keeps the word, and pydantic reads it as the number for a
+    float field (an int field then names the problem)."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    return text if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -234,3 +234,12 @@ def test_topk_kl_is_a_coarse_grained_kl():
     outside[:, p.argmin(-1)[0]] += 3
     outside = torch.log_softmax(outside, -1)
     assert torch.all(topk_kl(p.gather(-1, ids), outside.gather(-1, ids)) > part)
+
+
+def test_a_forks_discount_counts_the_main_threads_action_tokens_from_it_on_across_segments():
+    from compactrl.rl.advantages import fork_discounts
+
+    seg0, seg1 = np.array([0, 1, 1, 0, 1], bool), np.array([0, 0, 1, 1], bool)
+    got = fork_discounts([seg0, seg1], [(0, 0), (0, 3), (1, 3), (1, 4)], 0.5)
+    assert got == [0.5**5, 0.5**3, 0.5**1, 1.0]
+    assert fork_discounts([seg0, seg1], [(0, 2)], 1.0) == [1.0]

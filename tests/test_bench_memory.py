@@ -71,6 +71,20 @@ def test_rows_run_resume_and_take_a_budget_from_another_row(tmp_path):
     assert (tmp_path / "runs" / "window" / "summary.json").stat().st_mtime_ns != stamp
 
 
+def test_an_overshoot_corrected_row_takes_the_evictors_overshoot_off_its_budget(tmp_path):
+    rows = ROWS + "".join(
+        f'[[row]]\nname = "{n}"\nset = ["mode=stream", "evictor.name=h2o"]\nbudget_from = "window"\n{x}'
+        for n, x in (("at_window", ""), ("matched", 'overshoot_from = "at_window"\n'))
+    )
+    by = {r["row"]: r for r in run_memory_bench(load_bench(bench_file(tmp_path, rows)))}
+    at = by["at_window"]
+    assert at["budget"] == round(by["window"]["mean_peak_live_kv"])
+    over = at["mean_peak_live_kv"] - at["budget"]
+    assert by["matched"]["budget"] == round(by["window"]["mean_peak_live_kv"] - over)
+    with pytest.raises(ValidationError, match="overshoot_from corrects budget_from's budget; set both"):
+        load_bench(bench_file(tmp_path, ROWS + '[[row]]\nname = "x"\novershoot_from = "full"\n'))
+
+
 def test_an_only_run_keeps_the_rows_a_parallel_run_wrote_meanwhile(tmp_path):
     bench = load_bench(bench_file(tmp_path, ROWS))
     first = run_memory_bench(bench, only=["full"])

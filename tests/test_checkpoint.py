@@ -58,3 +58,29 @@ def test_checkpoints_rotate_and_bad_paths_are_named(tiny_lm, tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000003"
     with pytest.raises(CheckpointError, match="not a checkpoint"):
         load_checkpoint(tmp_path, t.model, t.optimizer)
+
+
+def test_the_cuda_rng_state_is_saved_and_restored(tiny_lm, tmp_path, monkeypatch):
+    """On CUDA the GPUs' RNG states go into the checkpoint and come back on resume (faked here on a
+    CPU: the calls are what is checked); a CPU run writes none, and another device count skips it."""
+    import json
+
+    t = Trainer(copy.deepcopy(tiny_lm), TrainSettings())
+    save_checkpoint(tmp_path / "cpu", 1, t.model, t.optimizer, {})
+    written = json.loads((latest_checkpoint(tmp_path / "cpu") / "trainer_state.json").read_text())
+    assert "cuda" not in written["rng"]
+
+    saved = [torch.randint(0, 256, (16,), dtype=torch.uint8) for _ in range(2)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in saved])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    save_checkpoint(tmp_path, 1, t.model, t.optimizer, {})
+    load_checkpoint(latest_checkpoint(tmp_path), t.model, t.optimizer)
+    assert len(restored) == 2 and all(torch.equal(a, b) for a, b in zip(restored, saved, strict=True))
+    restored.clear()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # resumed on a machine with one GPU
+    load_checkpoint(latest_checkpoint(tmp_path), t.model, t.optimizer)
+    assert restored == []

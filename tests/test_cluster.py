@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -101,6 +102,63 @@ def test_two_trainer_ranks_take_the_one_process_update(cluster, tiny_lm):
             t.settings = cfg.train
         one.step(samples), dp.step(samples)
         assert float((params(one) - params(dp)).abs().max()) > 1e-4
+    finally:
+        dp.close()
+
+
+def bounded(fn, seconds: float = 120.0):
+    """``fn()`` in a daemon thread: its result or its exception, or a test failure after ``seconds``
+    (a rank blocked in a collective then fails the test instead of hanging the suite)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"still blocked after {seconds:g} s (a rank waits in a collective another never reaches)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_that_fails_fails_the_step_on_every_rank_and_none_steps(cluster, tiny_lm, bad_rank):
+    """A share that raises (a token id past the vocabulary) on rank 0 or on rank 1: the step raises,
+    naming the rank and the cause, on the driver, and no rank blocks in the gradient all-reduce or
+    takes the step; the next step is then one process's, on every rank."""
+    from compactrl.cluster.data_parallel import DataParallelTrainer, split_by_tokens
+
+    torch.set_num_threads(1)
+    samples = samples_of(engine_traces(tiny_lm, n=6))
+    cfg = load_config(TrainConfig, None, ["cluster.backend=ray", "cluster.trainer_workers=2",
+                                          "train.lr=1e-3", "train.micro_batch_tokens=1"])  # fmt: skip
+    shares = split_by_tokens(samples, 2)
+    bad = copy.deepcopy(samples)
+    bad[shares[bad_rank][0]].trace.tokens[3] = 10**6  # past the 300-token vocabulary: a TraceError
+    one = Trainer(copy.deepcopy(tiny_lm), cfg.train)
+    dp = DataParallelTrainer(copy.deepcopy(tiny_lm), cfg.train)
+    dp.start(cfg)
+
+    def params(t):
+        return torch.cat([p.detach().flatten() for p in t.params])
+
+    try:
+        cause = f"failed on rank {bad_rank}: TraceError: .*>= vocab_size 300"
+        with pytest.raises(RuntimeError, match=cause) as e:
+            bounded(lambda: dp.step(bad))
+        assert type(e.value).__name__ == "DataParallelError" and "--resume" in str(e.value)
+        start = torch.cat([p.detach().flatten() for p in tiny_lm.parameters()])
+        assert torch.equal(params(dp), start)  # no rank stepped
+        assert torch.equal(torch.cat([p.flatten() for p in dp.rank_parameters(1)]), start)
+        one.step(samples), bounded(lambda: dp.step(samples))  # the ranks go on together
+        assert float((params(one) - params(dp)).abs().max()) < 1e-6
+        assert torch.equal(torch.cat([p.flatten() for p in dp.rank_parameters(1)]), params(dp))
     finally:
         dp.close()
 
@@ -229,3 +287,25 @@ def test_two_trainer_ranks_train_as_one_process_and_resume_from_a_checkpoint(clu
     x, y = (load_model(tmp_path / d / "checkpoints" / "step_00000004" / "model") for d in ("one", "dp"))
     pairs = zip(x.state_dict().values(), y.state_dict().values(), strict=True)
     assert max(float((p - q).abs().max()) for p, q in pairs) < 1e-4
+
+
+def test_a_failed_data_parallel_step_stops_the_run_and_it_resumes(cluster, tmp_path, monkeypatch):
+    """A share that raises on rank 0 in step 3: the run stops with the rank and the cause named,
+    without blocking rank 1, and --resume continues from the step-2 checkpoint to the end."""
+    from compactrl.rl import trainer
+
+    accumulate, calls = trainer.Trainer._accumulate, []
+
+    def flaky(self, *args, **kwargs):  # rank 0 is the driver's; rank 1, another process, is untouched
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("injected on rank 0")
+        return accumulate(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.Trainer, "_accumulate", flaky)
+    dp = _quickstart(tmp_path, "steps=4", "cluster.backend=ray", "cluster.trainer_workers=2")
+    with pytest.raises(RuntimeError, match="failed on rank 0: MemoryError: injected on rank 0"):
+        bounded(lambda: train(dp))
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+    bounded(lambda: train(dp, resume=True))
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]

@@ -39,14 +39,14 @@ def test_reference_covers_every_variant_and_section():
     text = reference()
     for name in ("count", "recall", "rooms", "textworld"):
         assert f'### `env.name = "{name}"`' in text
-    for name in ("none", "sliding_window", "markovian", "summary", "pick", "evict_steps"):
+    for name in ("none", "sliding_window", "markovian", "summary", "pick", "evict_steps", "random_cursors"):
         assert f'### `strategy.name = "{name}"`' in text
     for row in ("`engine.kv_pool_tokens`", "`rollout.top_p`", "`train.lr`", "`train.lora.r`", "`model.path`"):
         assert row in text
     # a default the two kinds of config set differently shows both
     assert "| `rollout.max_tokens` | int, >= 1 | train: `4`; rollout: `64` |" in text
     # the optional evictor: one table per method, off by default, its budget required
-    for name in ("h2o", "snapkv", "rkv", "streamingllm", "tova", "knorm"):
+    for name in ("h2o", "snapkv", "rkv", "streamingllm", "tova", "knorm", "random"):
         assert f'### `evictor.name = "{name}"`' in text
     assert "| `evictor.budget` | int, > 0 | required |" in text and "(default: unset)" in text
 

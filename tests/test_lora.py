@@ -97,3 +97,51 @@ def test_a_gated_adapter_acts_only_on_the_tokens_the_mask_marks(tiny_lm):
     short = lambda: torch.ones(T - 1, dtype=torch.bool)  # noqa: E731
     with adapter_mask(model, short), pytest.raises(RuntimeError, match="gate"):
         logits(model, tokens)
+
+
+def test_eval_of_a_thread_adapter_run_runs_the_adapter_on_the_forks_only(tmp_path):
+    """`compactrl eval --checkpoint` on a sidequest.adapter = 'thread' run evaluates what was trained:
+    the main thread is the base model exactly and the forks run the checkpoint's adapter (gated to
+    their tokens); the checkpoint's merged model folder is the base, what the main thread computes.
+    An RL run under a frozen thread adapter (strategy.thread_adapter) is evaluated with it too."""
+    from pathlib import Path
+
+    from compactrl.config import load_config
+    from compactrl.models.lora import load_thread_adapter
+    from compactrl.rl.loop import TrainConfig, evaluate, train
+    from compactrl.trace import load_traces
+
+    def gap(model, trace) -> float:  # the engine's sampling log-probs vs the model's one-pass forward
+        with torch.no_grad():
+            (lp,) = stream_logprobs(model, [trace])
+        m = trace.trainable
+        return float(np.abs(lp.double().numpy()[m] - trace.logprobs[m]).max())
+
+    run = tmp_path / "train"
+    sets = [f"out={run}", "steps=1", "prompts=2", "threads=1", "model.path=", "model.size=tiny",
+            "env.world_size=40", "env.max_hops=3", "strategy.max_tokens=16", "train.lr=5e-2"]  # fmt: skip
+    cfg = load_config(TrainConfig, "configs/sidequest/train_thread.toml", sets)
+    assert train(cfg)["aux_samples"] > 0
+    ckpt = run / "checkpoints" / "step_00000001"
+    base, thread = load_model(run / "model"), load_model(run / "model")
+    load_thread_adapter(thread, ckpt)
+    short = {"mode": "stream", "rollout": cfg.rollout.model_copy(update={"max_turns": 3})}
+
+    def played(cfg, checkpoint):
+        result = evaluate(cfg.model_copy(update=short), checkpoint, episodes=2, traces=True)
+        traces = load_traces(Path(result["path"]).with_suffix(".traces.jsonl"))
+        return [t for t in traces if not t.meta.get("aux")], [t for t in traces if t.meta.get("aux")]
+
+    main, aux = played(cfg, ckpt)
+    assert max(gap(base, t) for t in main) < 5e-5  # the main thread: the base model
+    assert aux and max(gap(thread, t) for t in aux) < 5e-5  # the forks: the trained adapter
+    assert min(gap(base, t) for t in aux) > 1e-3  # negative control: it acts on them
+    merged = load_model(ckpt / "model").state_dict()
+    assert all(torch.equal(merged[k], v) for k, v in base.state_dict().items())
+
+    rl = load_config(TrainConfig, "configs/sidequest/rl.toml", [  # the initial policy under the adapter
+        f"out={tmp_path / 'rl'}", f"model.path={run / 'model'}", f"strategy.thread_adapter={ckpt}",
+        "strategy.every=1", "strategy.max_tokens=16", "env.world_size=40", "threads=1"])  # fmt: skip
+    main, aux = played(rl, None)
+    assert max(gap(base, t) for t in main) < 5e-5
+    assert aux and max(gap(thread, t) for t in aux) < 5e-5 and min(gap(base, t) for t in aux) > 1e-3

@@ -497,6 +497,24 @@ def test_a_thread_still_running_when_its_episode_ends_is_flagged_and_not_scored(
             assert not (t.evict_at[t.evict_at < len(t)] > x.meta["fork_at"]).any()
 
 
+def test_threads_train_with_their_episodes_advantage_discounted_from_their_fork(setup):
+    """An unfinished thread is no training sample; the others carry the episode's advantage times
+    gamma ** (the main thread's action tokens from their fork on), as an action there would."""
+    from compactrl.rl.loop import thread_samples
+
+    results = play(setup, "stream", parallel=True, seeds=[3, 4, 5, 6])
+    assert sum(r.aux_unfinished for r in results) > 0
+    for r in results:
+        (t,) = r.traces
+        samples = thread_samples(r, 2.0, 7, 0.99)
+        acted = [x for x in r.aux_traces if not x.meta.get("unfinished")]
+        assert [s.trace for s in samples] == acted and all(s.sequence == 7 for s in samples)
+        for s in samples:
+            later = int(t.trainable[s.trace.meta["fork_at"]:].sum())
+            assert np.allclose(s.advantages, 2.0 * 0.99**later) and later > 0
+        assert [s.advantages[0] for s in thread_samples(r, 2.0, 7, 1.0)] == [2.0] * len(acted)
+
+
 def test_a_thread_with_no_room_is_counted_apart_from_format_failures(setup, tmp_path):
     """A thread that reaches the model's position limit deletes nothing and is counted as
     ``aux_no_room``, not as an answer the runner could not read (the oracle's answers always parse).
@@ -530,7 +548,7 @@ def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_adv
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
     results = sample_batch(cfg, engine, fmt, build_strategy(cfg.strategy), 1)
     main = sum(int(t.trainable.sum()) for r in results for t in r.traces)
-    aux = sum(int(t.trainable.sum()) for r in results for t in r.aux_traces)
+    aux = sum(int(t.trainable.sum()) for r in results for t in r.aux_traces if not t.meta.get("unfinished"))
     assert last["phase"] == "rl" and last["errors"] == 0 and aux > 0 and sum(r.aux_calls for r in results) > 0
     assert last["trained_tokens"] == main + aux
     by_hops = {k for k in last if k.startswith("reward_hops")}

@@ -211,3 +211,41 @@ def test_textworld_trains_with_compaction(tmp_path, mode):
     last = train(cfg)
     assert last["errors"] == 0 and last["compactions"] > 0 and last["trained_tokens"] > 0
     assert (last["reprefilled_tokens"] > 0) == (mode == "reprefill")
+
+
+@pytest.mark.parametrize(
+    "config, sets",
+    [
+        ("configs/quickstart.toml", ["steps=1", "sft_steps=1", "prompts=1", "group_size=2"]),
+        ("configs/sidequest/train.toml", ["steps=1", "prompts=1", "model.path=", "model.size=tiny",
+                                          "env.world_size=40", "env.max_hops=3", "sidequest.kl=0"]),
+    ],
+    ids=["sft", "sidequest"],
+)  # fmt: skip
+def test_every_env_the_loop_makes_is_closed(tmp_path, monkeypatch, config, sets):
+    """The envs a step makes to play episodes, to write demonstrations, or only to ask whether the
+    env has demonstrations, are all closed (a browser or a game server each holds a process)."""
+    from compactrl.rl import loop
+
+    made, closed = [], []
+
+    def counted(cfg):
+        env = make(cfg)
+        made.append(env)
+        close = env.close
+        env.close = lambda: closed.append(env) or close()
+        return env
+
+    make = loop.make_env
+    monkeypatch.setattr(loop, "make_env", counted)
+    train(load_config(TrainConfig, config, [f"out={tmp_path}", "threads=1", *sets]))
+    assert made and len({id(e) for e in closed}) == len(made), f"{len(made) - len(closed)} envs left open"
+
+
+def test_checkpoint_keep_is_how_many_complete_checkpoints_stay(tmp_path):
+    cfg = load_config(TrainConfig, "configs/quickstart.toml",
+                      [f"out={tmp_path}", "steps=4", "prompts=1", "group_size=2", "checkpoint_every=1",
+                       "checkpoint_keep=3"])  # fmt: skip
+    train(cfg)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000003", "step_00000004"]

@@ -3,7 +3,10 @@
 A bench config names a base rollout config and its rows; each row is that config with the row's
 ``--set`` overrides (a cursor rule, a mode, SideQuest, a token evictor), played on the same
 held-out episodes as one `compactrl rollout` run in ``out/<row>``. A row with ``budget_from``
-runs its evictor at another row's realised mean peak live KV (an evictor at SideQuest's memory).
+runs its evictor at another row's realised mean peak live KV (an evictor at SideQuest's memory);
+with ``overshoot_from`` its budget is lowered by what an earlier evictor row realised above its own
+budget, so it realises that peak (a budget-matched comparison). A row with ``rate_from`` deletes
+cursors at random as often as a SideQuest row did (``random_cursors``).
 A row whose folder already holds a summary of the same config is read back, so a killed bench
 resumes. Rows go to ``results`` (JSON) and accuracy against peak live KV to ``plot`` (PNG).
 
@@ -38,6 +41,10 @@ class Row(BaseModel):
         None,
         description="evictor.budget = this earlier row's mean peak live KV (rounded; the row sets no budget)",
     )
+    overshoot_from: str | None = Field(
+        None, description="with budget_from: subtract this earlier evictor row's overshoot (its mean peak "
+        "live KV minus its budget) from the budget, so the row realises budget_from's peak, not exceeds it"
+    )  # fmt: skip
     rate_from: str | None = Field(
         None, description="strategy.rate = this earlier SideQuest row's realised deletion rate (deleted / "
         "offered cursors; for a random_cursors row: deletions at random, as often)"
@@ -70,7 +77,9 @@ class MemoryBench(BaseModel):
         for r in self.row:
             if r.name in seen:
                 raise ValueError(f"row {r.name!r} appears twice; give each row its own name")
-            for field in ("budget_from", "rate_from", "compare_to"):
+            if r.overshoot_from is not None and r.budget_from is None:
+                raise ValueError(f"row {r.name!r}: overshoot_from corrects budget_from's budget; set both")
+            for field in ("budget_from", "overshoot_from", "rate_from", "compare_to"):
                 if getattr(r, field) is not None and getattr(r, field) not in seen:
                     raise ValueError(f"row {r.name!r}: {field} {getattr(r, field)!r} is not an earlier row")
             seen.add(r.name)
@@ -160,7 +169,7 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
     wanted = set(only or [r.name for r in bench.row])
     for r in reversed(bench.row):
         if r.name in wanted:
-            wanted |= {r.budget_from, r.rate_from} - {None}
+            wanted |= {r.budget_from, r.overshoot_from, r.rate_from} - {None}
     unknown = set(only or []) - {r.name for r in bench.row}
     if unknown:
         raise ValueError(f"--only {sorted(unknown)}: no such row; rows: {[r.name for r in bench.row]}")
@@ -169,7 +178,11 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
     for r in (r for r in bench.row if r.name in wanted):
         extra = [*bench.set, *sets, *r.set, f"out={Path(bench.out) / r.name}"]
         if r.budget_from:
-            extra.append(f"evictor.budget={round(rows[r.budget_from]['mean_peak_live_kv'])}")
+            budget = rows[r.budget_from]["mean_peak_live_kv"]
+            if r.overshoot_from:
+                over = rows[r.overshoot_from]
+                budget -= over["mean_peak_live_kv"] - over["budget"]
+            extra.append(f"evictor.budget={max(1, round(budget))}")
         if r.rate_from:
             extra.append(f"strategy.rate={deletion_rate(rows[r.rate_from])}")
         cfg = cfgs[r.name] = load_config(RolloutConfig, Path(bench.base), extra)

@@ -34,7 +34,7 @@ from compactrl.compaction import build_strategy
 from compactrl.masks import streams
 from compactrl.models.loading import config_summary
 from compactrl.rl.forward import reprefill_segments
-from compactrl.rl.loop import TrainConfig, step_advantages
+from compactrl.rl.loop import TrainConfig, step_advantages, thread_samples
 from compactrl.rl.sampler import sample_batch
 from compactrl.rl.trainer import Sample, Trainer
 from compactrl.trace import Trace
@@ -80,9 +80,8 @@ def run_train_step_bench(
     adv = step_advantages(cfg, np.array([r.reward for r in results]))
     stream = [Sample(r.traces[0], np.full(len(r.traces[0]), a, np.float32), i)
               for i, (r, a) in enumerate(zip(results, adv, strict=True))]  # fmt: skip
-    aux = [r.aux_traces if cfg.train_aux else [] for r in results]
-    forks = [Sample(t, np.full(len(t), s.advantages[0], np.float32), s.sequence)
-             for s, ts in zip(stream, aux, strict=True) for t in ts]  # fmt: skip
+    forks = [x for r, s in zip(results, stream, strict=True) if cfg.train_aux
+             for x in thread_samples(r, s.advantages[0], s.sequence, 1.0)]  # fmt: skip
     reprefill = [Sample(t, np.full(len(t), s.advantages[0], np.float32), s.sequence)
                  for s in stream for t in segment_traces(s.trace)]  # fmt: skip
     apart = cfg.train.model_copy(update={"splice_forks": False})

@@ -38,6 +38,11 @@ class ClusterConfig(BaseModel):
     rollout_gpus: float = Field(0.0, ge=0, description="Ray GPUs per rollout worker (the engine runs on it)")
     trainer_cpus: float = Field(1.0, gt=0, description="Ray CPUs per trainer rank beyond the driver")
     trainer_gpus: float = Field(0.0, ge=0, description="Ray GPUs per trainer rank beyond the driver")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="trainer ranks: the longest one waits for the others to join or reach "
+        "a collective (the slowest rank's share of a step); past it the step fails instead of hanging "
+        "on a rank that died or hangs"
+    )  # fmt: skip
     max_restarts: int = Field(
         3, ge=0, description="rollout worker restarts allowed per step before the step fails"
     )

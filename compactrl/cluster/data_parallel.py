@@ -10,6 +10,13 @@ one process). Each rank accumulates its share's gradient, the gradients are summ
 all-reduce, and every rank clips and steps the same summed gradient with the same AdamW state, so
 all ranks hold the same weights and equal one process's update to float32 rounding.
 
+A failure in one rank's share fails the step on every rank: each rank computes its share inside a
+try, then all say whether theirs failed before any gradient is reduced (``rl.trainer._agree``), so
+no rank waits in an all-reduce another never reaches and none steps; the driver raises
+:class:`DataParallelError` naming the rank and its cause, and the run continues with ``--resume``
+from its newest checkpoint. A rank that dies or hangs is bounded by the process group's timeout
+(``cluster.collective_timeout_s``).
+
 Why actors and not torchrun-launched processes: the driver already is the single controller that
 owns the rollout workers, the checkpoints and the loop; ranks it starts itself are placed by the
 same Ray resources, need no second launcher, and the loop runs once, not once per rank. Why a
@@ -23,13 +30,22 @@ from __future__ import annotations
 import copy
 import socket
 import time
+from datetime import timedelta
 
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
 
-from compactrl.rl.trainer import Sample, Trainer, add_sums, finish, token_weights
+from compactrl.rl.trainer import (
+    DataParallelError,
+    PeerFailed,
+    Sample,
+    Trainer,
+    add_sums,
+    finish,
+    token_weights,
+)
 
 
 def split_by_tokens(samples: list[Sample], ranks: int) -> list[list[int]]:
@@ -56,20 +72,26 @@ class TrainerRank:
         self.trainer = Trainer(model.to(device), cfg.train, head, temperature=cfg.rollout.temperature)
         self.trainer.optimizer.load_state_dict(optimizer_state)
         self.rank, self.world, self.address = rank, world, address
+        self.timeout = timedelta(seconds=cfg.cluster.collective_timeout_s)
 
     def join(self) -> None:
         dist.init_process_group(_backend(next(self.trainer.model.parameters())), init_method=self.address,
-                                rank=self.rank, world_size=self.world)  # fmt: skip
+                                rank=self.rank, world_size=self.world, timeout=self.timeout)  # fmt: skip
         self.trainer.group = dist.group.WORLD
 
     def set_reference(self, reference) -> None:
         self.trainer.reference = reference.to(next(self.trainer.model.parameters()).device)
 
-    def step(self, parts, weights, lrs: list[float]) -> tuple[list[dict], float]:
+    def step(self, parts, weights, lrs: list[float]) -> tuple[list[dict], float] | None:
+        """This rank's share; None when another rank's failed (that rank reports the cause); its own
+        failure is raised (to the driver, after every rank has agreed not to step)."""
         parts, weights = copy.deepcopy((parts, weights))  # writable: the object store's arrays are not
         for group, lr in zip(self.trainer.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        return self.trainer.step_share(parts, weights)
+        try:
+            return self.trainer.step_share(parts, weights)
+        except PeerFailed:
+            return None
 
     def parameters(self) -> list[torch.Tensor]:
         return [p.detach().cpu() for p in self.trainer.params]
@@ -81,17 +103,18 @@ class DataParallelTrainer(Trainer):
 
     def __init__(self, *args, **kwargs) -> None:
         self.ranks: list = []  # before Trainer's __init__, which sets the reference
+        self.timeout_s = 0.0
         super().__init__(*args, **kwargs)
 
     def start(self, cfg) -> None:
-        world = cfg.cluster.trainer_workers
+        world, self.timeout_s = cfg.cluster.trainer_workers, cfg.cluster.collective_timeout_s
         address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         actor = ray.remote(num_cpus=cfg.cluster.trainer_cpus, num_gpus=cfg.cluster.trainer_gpus)(TrainerRank)
         model, head, state = (ray.put(x) for x in (self.model, self.value_head, self.optimizer.state_dict()))
         self.ranks = [actor.remote(cfg, model, head, state, r, world, address) for r in range(1, world)]
         joined = [r.join.remote() for r in self.ranks]
         dist.init_process_group(_backend(next(self.model.parameters())), init_method=address, rank=0,
-                                world_size=world)  # fmt: skip
+                                world_size=world, timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
         ray.get(joined)
         self.group = dist.group.WORLD
         if self.reference is not None:
@@ -128,8 +151,22 @@ class DataParallelTrainer(Trainer):
                 per_rank[r][1].append(w)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         futures = [rank.step.remote(*per_rank[r], lrs) for r, rank in enumerate(self.ranks, start=1)]
-        sums, norm = self.step_share(*per_rank[0])
-        for other, _ in ray.get(futures):
+        failed: dict[int, str] = {}
+        try:  # rank 0's share, between the others' (every rank agrees on failures before reducing)
+            sums, norm = self.step_share(*per_rank[0])
+        except PeerFailed as e:
+            failed |= dict.fromkeys(e.ranks, "(no cause reported)")  # replaced by the rank's own below
+        except Exception as e:
+            failed[0] = _cause(e)
+        others = []
+        for r, future in enumerate(futures, start=1):
+            try:  # past the agreement the others only step: the collectives' timeout bounds the wait
+                others.append(ray.get(future, timeout=self.timeout_s))
+            except Exception as e:  # its share raised, its actor died, or it did not answer
+                failed[r] = _cause(e)
+        if failed:
+            raise DataParallelError(failed)
+        for other, _ in others:
             sums = [add_sums(a, b) for a, b in zip(sums, other, strict=True)]
         return [finish(x) for x in sums], {"grad_norm": norm, "train_s": time.perf_counter() - t0}
 
@@ -144,6 +181,13 @@ class DataParallelTrainer(Trainer):
         if dist.is_initialized():
             dist.destroy_process_group()
         self.group = None
+
+
+def _cause(e: Exception) -> str:
+    """``Type: message`` of a failure; a remote one's original exception, not Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    e = cause if isinstance(cause, BaseException) else e
+    return f"{type(e).__name__}: {e}"
 
 
 def _backend(p: torch.Tensor) -> str:

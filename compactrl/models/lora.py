@@ -72,15 +72,20 @@ def has_lora(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's weights (Hugging Face names) with the model's own adapters merged in (a
-    thread adapter is not: it acts on the auxiliary thread's tokens only, and loads on its own)."""
+    """The plain model's weights (Hugging Face names) with the model's own adapters merged in. A
+    gated adapter is not (a loaded thread adapter, or the run's own under sidequest.adapter =
+    'thread'): it acts on the auxiliary thread's tokens only, so merged it would act on the main
+    thread's too; the weights are then what the main thread computes, and the adapter loads on its
+    own (:func:`load_thread_adapter`)."""
     from peft.tuners.lora import LoraLayer
 
+    gate = getattr(model, "adapter_gate", None)
+    gated = {THREAD} | ({gate.name} if gate is not None else set())
     state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             for adapter in module.active_adapters:
-                if adapter == THREAD:
+                if adapter in gated:
                     continue
                 key = f"{name}.weight"
                 state[key] = state[key] + module.get_delta_weight(adapter).to(state[key].dtype)
@@ -121,6 +126,7 @@ class AdapterGate:
         from peft.tuners.lora import LoraLayer
 
         self.mask: torch.Tensor | None = None
+        self.name = name
         self.handles = [m.lora_B[name].register_forward_hook(self._hook) for m in model.modules()
                         if isinstance(m, LoraLayer) and name in m.lora_B]  # fmt: skip
         if not self.handles:

@@ -72,6 +72,14 @@ def discounts(trainable: list[np.ndarray], gamma: float) -> list[np.ndarray]:
     return out[::-1]
 
 
+def fork_discounts(trainable: list[np.ndarray], forks: list[tuple[int, int]], gamma: float) -> list[float]:
+    """Per auxiliary thread forked at ``(trace, index)`` of a rollout whose main traces have these
+    ``trainable`` masks, ``gamma ** n``, ``n`` being the main thread's action tokens from the fork on:
+    a thread's answer acts from its fork, so its tokens get the credit an action there would."""
+    after = [int(m.sum()) for m in trainable]
+    return [float(gamma ** (int(trainable[k][b:].sum()) + sum(after[k + 1 :]))) for k, b in forks]
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: float = 0.95,
         bootstrap: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Advantages and returns over a sequence of steps (``[S]``), as cleanrl's ppo.py does;

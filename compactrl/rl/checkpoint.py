@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from compactrl.models.loading import copy_tokenizer_files, save_model
 from compactrl.models.lora import has_lora
+from compactrl.rl.monitor import note
 
 STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -63,19 +64,33 @@ def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
 
 
 def rng_state() -> dict:
+    """Python's, NumPy's and torch's RNG states; and each GPU's once this process has used CUDA
+    (before that no CUDA random number was drawn, and asking would start CUDA on every GPU)."""
     py = random.getstate()
-    return {
+    st = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": np.random.get_state()[1].tolist(),
         "numpy_pos": int(np.random.get_state()[2]),
         "torch": torch.get_rng_state().tolist(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return st
 
 
 def set_rng_state(st: dict) -> None:
     random.setstate((st["python"][0], tuple(st["python"][1]), st["python"][2]))
     np.random.set_state(("MT19937", np.array(st["numpy"], dtype=np.uint32), st["numpy_pos"], 0, 0.0))
     torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
+    cuda = st.get("cuda")
+    if not cuda:
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == len(cuda):
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda])
+    else:
+        note(f"the checkpoint holds the RNG states of {len(cuda)} GPU(s), this process sees {gpus}: not "
+             "restored, so sampling on the GPU will not repeat the uninterrupted run's")  # fmt: skip
 
 
 def _sha256(path: Path) -> str:

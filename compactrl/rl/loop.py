@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.agent.batch import ModelSource, load_engine, run_episodes
 from compactrl.agent.chat import ChatFormat
-from compactrl.agent.rollout import RolloutSettings
+from compactrl.agent.rollout import EpisodeResult, RolloutSettings
 from compactrl.cluster import ClusterConfig, connect
 from compactrl.compaction import SideQuestConfig, SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
@@ -46,7 +46,13 @@ from compactrl.envs.base import HELD_OUT_SEED
 from compactrl.models.loading import load_model, save_model
 from compactrl.models.lora import Adapters, gate_adapters, load_thread_adapter
 from compactrl.provenance import provenance
-from compactrl.rl.advantages import cross_segment_gae, discounts, group_advantages, loo_advantages
+from compactrl.rl.advantages import (
+    cross_segment_gae,
+    discounts,
+    fork_discounts,
+    group_advantages,
+    loo_advantages,
+)
 from compactrl.rl.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -62,6 +68,7 @@ from compactrl.rl.run_dir import RunDirError, open_run_dir
 from compactrl.rl.sampler import BackgroundSampler, sample_batch
 from compactrl.rl.sidequest import hindsight_samples
 from compactrl.rl.trainer import Sample, Trainer, TrainSettings
+from compactrl.stats import mean_ci
 from compactrl.trace import save_traces
 
 
@@ -99,7 +106,7 @@ class TrainConfig(BaseModel):
     evictor: EvictorConfig | None = Field(
         None,
         description="a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, "
-        "knorm; see compactrl.compaction.evictors), alone or with the strategy",
+        "knorm, random; see compactrl.compaction.evictors), alone or with the strategy",
     )
     mode: Literal["full", "reprefill", "stream"] = Field(
         "stream",
@@ -168,6 +175,9 @@ class TrainConfig(BaseModel):
         "each clipped against the sampling log-probs",
     )
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every this many steps, and at the last")
+    checkpoint_keep: int = Field(
+        2, ge=1, description="complete checkpoints kept, the newest (older ones are deleted as new ones land)"
+    )
     eval_episodes: int = Field(0, ge=0, description="greedy held-out episodes as RL starts and at the end")
     eval_every: int = Field(
         0,
@@ -350,8 +360,7 @@ def _sft_step(cfg: TrainConfig, engine, fmt: ChatFormat, strategy, trainer: Trai
               env_seeds: list[int]) -> dict:  # fmt: skip
     """SFT on demonstrations: full-context ones (``evict_steps``' evictions replayed after the
     warm-up, objective ``sft``), or with ``sft_demos = "strategy"`` played by the rollout runner."""
-    env = make_env(cfg.env)
-    if not hasattr(env, "demo_action"):
+    if not _has_demos(cfg):
         raise ValueError(f"sft_steps needs demonstrations; the {cfg.env.name} env has no demo_action()")
     evicted = step > cfg.sft_steps
     seeds = [s * cfg.group_size + g for s in env_seeds for g in range(cfg.group_size)]
@@ -370,10 +379,24 @@ def _sft_step(cfg: TrainConfig, engine, fmt: ChatFormat, strategy, trainer: Trai
         traces = [(t, i) for i, r in enumerate(results) for t in r.traces]  # reprefill: a trace a segment
     else:
         evict = {cfg.strategy.at_step: list(cfg.strategy.steps)} if evicted else None
-        traces = [(demo_trace(fmt, env, s, evict, cfg.rollout.system), i) for i, s in enumerate(seeds)]
+        env = make_env(cfg.env)
+        try:
+            traces = [(demo_trace(fmt, env, s, evict, cfg.rollout.system), i) for i, s in enumerate(seeds)]
+        finally:
+            env.close()
     stats = trainer.step([Sample(t, np.zeros(len(t), np.float32), i) for t, i in traces], loss="sft")
     keep = ("loss", "grad_norm", "trained_tokens", "train_s")
     return {"step": step, "phase": "sft_evicted" if evicted else "sft", **{k: stats[k] for k in keep}}
+
+
+def _has_demos(cfg: TrainConfig) -> bool:
+    """Whether the run's env writes demonstrations (``demo_action``); the env made to ask is closed
+    (one may hold a process: a browser, a game)."""
+    env = make_env(cfg.env)
+    try:
+        return hasattr(env, "demo_action")
+    finally:
+        env.close()
 
 
 def _sidequest_step(cfg: TrainConfig, engine, fmt: ChatFormat, trainer: Trainer, step: int,
@@ -383,7 +406,7 @@ def _sidequest_step(cfg: TrainConfig, engine, fmt: ChatFormat, trainer: Trainer,
     reference: the frozen policy as the phase began), each part normalised over its own tokens."""
     sq, strategy = cfg.sidequest, cfg.strategy
     demo = sq.traces == "solver"
-    if demo and not hasattr(make_env(cfg.env), "demo_action"):
+    if demo and not _has_demos(cfg):
         raise ValueError(f"sidequest.traces = 'solver' needs the {cfg.env.name} env's demo_action()")
     make = lambda: make_env(cfg.env)  # noqa: E731
     played = run_episodes(engine, fmt, make, None, "full", cfg.rollout, env_seeds, len(env_seeds), demo=demo)
@@ -528,7 +551,8 @@ def train(
 
     def checkpoint(step: int) -> Path:
         state = {"data_position": data_position, **times()}
-        return save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules, tokenizer_dir=source)
+        return save_checkpoint(run_dir, step, model, trainer.optimizer, state, modules,
+                               keep=cfg.checkpoint_keep, tokenizer_dir=source)  # fmt: skip
 
     try:
         with _finish_step_on_interrupt() as interrupted:
@@ -650,10 +674,8 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
                 continue
             credit = discounts([t.trainable for t in r.traces], cfg.gamma)
             samples += [Sample(t, a * w, i) for t, w in zip(r.traces, credit, strict=True)]
-            # SideQuest's auxiliary threads share their episode's outcome: their deletions are trained
-            # with the reward of the episode they shaped (the forks' own tokens only are trainable)
             if cfg.train_aux:
-                samples += [Sample(t, np.full(len(t), a, np.float32), i) for t in r.aux_traces]
+                samples += thread_samples(r, a, i, cfg.gamma)
     stats = _updates(cfg, trainer, samples, loss, step) if samples else _no_update()
     t2 = time.perf_counter()
     if sampler is not None:
@@ -679,6 +701,17 @@ def _rl_step(cfg: TrainConfig, engine, fmt, strategy, trainer: Trainer, head, st
         **faults,
     }
     return last
+
+
+def thread_samples(r: EpisodeResult, advantage: float, sequence: int, gamma: float) -> list[Sample]:
+    """SideQuest's auxiliary threads share their episode's outcome: each is trained with the
+    advantage of the episode it shaped (its own tokens only are trainable), discounted as the main
+    thread's tokens are from its fork on. A thread still running when the episode ended
+    (``unfinished``) deleted nothing: it is left out."""
+    acted = [t for t in r.aux_traces if not t.meta.get("unfinished")]
+    forks = [(t.meta.get("segment", 0), t.meta["fork_at"]) for t in acted]
+    weights = fork_discounts([t.trainable for t in r.traces], forks, gamma)
+    return [Sample(t, np.full(len(t), advantage * w, np.float32), sequence) for t, w in zip(acted, weights)]
 
 
 def rewards_by_hops(results, rewards: np.ndarray) -> dict:
@@ -737,7 +770,9 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
         "mode": cfg.mode,
         "greedy": greedy,
         "mean_reward": float(rewards.mean()),
+        "mean_reward_ci": mean_ci(rewards),
         "success_rate": float((rewards >= 1.0).mean()),
+        "success_rate_ci": mean_ci((rewards >= 1.0).astype(float)),
         "errors": sum(r.error is not None for r in results),
     }
     return stats, results
@@ -755,7 +790,9 @@ def evaluate(
     model, a checkpoint's, or a run folder's newest checkpoint, without training. Each checkpoint
     (and decoding, and ``name`` when given: another env variant or mode) keeps its own result:
     ``run_dir/eval/<checkpoint>[-greedy][-<name>].json``; ``traces`` also keeps the episodes'
-    traces beside it (``.traces.jsonl``, for ``compactrl trace show``: what the policy wrote)."""
+    traces beside it (``.traces.jsonl``, for ``compactrl trace show``: what the policy wrote, its
+    auxiliary threads' too). A SideQuest thread-adapter run's checkpoint is evaluated as trained:
+    the base model on the main thread, the checkpoint's adapter on the auxiliary thread's tokens."""
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out)
     ckpt = None
@@ -766,7 +803,15 @@ def evaluate(
             note(f"skipping a checkpoint: {reason}")
         if ckpt != Path(checkpoint):
             note(f"evaluating {ckpt}, the newest complete checkpoint of {checkpoint}")
-    engine = load_engine(cfg.model, cfg.engine, run_dir, ckpt / "model" if ckpt else None)
+    # a thread-adapter run trained a gated adapter, on the auxiliary thread's tokens only: the main
+    # thread is the base, the checkpoint's adapter is the thread's; else the checkpoint's merged
+    # policy, under the frozen thread adapter the run sampled with, if any
+    trained_thread = cfg.objective == "sidequest" and cfg.sidequest.adapter == "thread"
+    weights = ckpt / "model" if ckpt and not trained_thread else None
+    engine = load_engine(cfg.model, cfg.engine, run_dir, weights)
+    thread = ckpt if ckpt and trained_thread else getattr(cfg.strategy, "thread_adapter", None)
+    if thread:
+        load_thread_adapter(engine.model, thread)
     stats, results = _held_out(cfg, engine, episodes, greedy)
     result = {"checkpoint": str(ckpt) if ckpt else None, **stats}
     label = f"{ckpt.name if ckpt else 'initial'}{'-greedy' if greedy else ''}{f'-{name}' if name else ''}"
@@ -774,5 +819,5 @@ def evaluate(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result | {"episode_metrics": [r.metrics() for r in results]}, indent=1) + "\n")
     if traces:
-        save_traces(path.with_suffix(".traces.jsonl"), [t for r in results for t in r.traces])
+        save_traces(path.with_suffix(".traces.jsonl"), [t for r in results for t in r.traces + r.aux_traces])
     return result | {"path": str(path)}

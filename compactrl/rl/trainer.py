@@ -176,12 +176,26 @@ class Trainer:
         """Accumulate each part's gradient, sum it over the data-parallel ranks (``self.group``, a
         torch.distributed group; None: this process alone), clip, step. ``weights``: each part's
         per-token loss weights, computed over the whole batch when this is one rank's share of it
-        (parts may then be empty here). Returns each part's raw sums (:func:`finish` makes stats)."""
-        sums = []
-        for k, (samples, loss, scale) in enumerate(parts):
-            w = None if weights is None else weights[k]
-            sums.append(self._accumulate(samples, loss, scale, k == 0, w))
+        (parts may then be empty here). Returns each part's raw sums (:func:`finish` makes stats).
+
+        On a data-parallel rank a failure is raised only after every rank has said whether its share
+        failed (:func:`_agree`): no rank then waits in a gradient all-reduce that another never
+        reaches, and no rank steps; the ranks whose share did not fail raise :class:`PeerFailed`."""
+        sums, error = [], None
+        try:
+            for k, (samples, loss, scale) in enumerate(parts):
+                w = None if weights is None else weights[k]
+                sums.append(self._accumulate(samples, loss, scale, k == 0, w))
+        except Exception as e:
+            if self.group is None:
+                raise
+            error = e
         if self.group is not None:
+            try:
+                _agree(error, self.params[0].device, self.group)
+            except Exception:
+                self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradient
+                raise
             _all_reduce_grads(self.params, self.group)
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.settings.grad_clip:
@@ -328,6 +342,29 @@ def add_sums(a: dict, b: dict) -> dict:
     return {k: max(a[k], b[k]) if k == "mismatch_max_abs" else a[k] + b[k] for k in a}
 
 
+class PeerFailed(RuntimeError):
+    """Another data-parallel rank's share of this step failed; no rank took the step."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"data-parallel rank(s) {ranks} failed this step; no rank took it")
+        self.ranks = ranks
+
+
+def _agree(error: Exception | None, device: torch.device, group) -> None:
+    """Every rank says whether its share failed (one all-reduce of a flag per rank) before any
+    gradient is reduced. Raises the rank's own ``error``, or :class:`PeerFailed` when another failed."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(dist.get_world_size(group), device=device)
+    flags[dist.get_rank(group)] = float(error is not None)
+    dist.all_reduce(flags, group=group)
+    if error is not None:
+        raise error
+    failed = flags.nonzero().flatten().tolist()
+    if failed:
+        raise PeerFailed(failed)
+
+
 def _all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
     """Sum the gradients over the ranks in one flat buffer (a rank whose share trained nothing adds
     zeros), so every rank holds the whole batch's gradient and takes the same step."""
@@ -342,3 +379,15 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
     for p in params:
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+class DataParallelError(RuntimeError):
+    """A data-parallel step failed on one or more ranks (``failed``: rank -> cause); no rank took it."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        causes = "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items()))
+        super().__init__(
+            f"the data-parallel training step failed on {causes}. No rank took the step; fix the cause "
+            "and continue the run from its newest checkpoint with --resume"
+        )
+        self.failed = failed
