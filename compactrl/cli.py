@@ -920,7 +920,7 @@ def bench_memory(
     """Accuracy against memory: one rollout run per row (cursor rules, SideQuest, evictors)."""
     import pydantic
 
-    from compactrl.bench.memory import load_bench, markdown, run_memory_bench
+    from compactrl.bench.memory import load_bench, markdown, pooled, pooled_markdown, run_memory_bench
     from compactrl.config import ConfigError
 
     try:
@@ -935,6 +935,8 @@ def bench_memory(
         emit_json(table)
         return
     out.print(markdown(table))
+    if bench.pool_sets:
+        out.print(pooled_markdown(pooled(table)))
     out.print(f"wrote {bench.results}" + (f" and {bench.plot}" if bench.plot else ""))
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The four-hop SideQuest headline, replicated (configs/bench/sidequest_replicate.toml): the policies
-# and three thread adapters (training seeds 0, 1000, 2000: other initialisations and disjoint
-# training questions) trained from nothing, each stage skipped when its checkpoint is there (one cut
-# off resumes), then each question set's rows, two at a time on the 2 cores (a row waits for the
-# rows it takes a budget or a rate from).
-# On a 2-core CPU: about 40 + 35 minutes for the policies, 15 for two thread adapters at once,
-# then 10-30 minutes a row of 200 questions.
+# trained from nothing, then per question set its thread adapter (the same recipe; training seed
+# 0, 1000 or 2000 for set a, b or c: other initialisations and disjoint training questions) and its
+# rows, two at a time on the 2 cores (a row waits for the rows it takes a budget or a rate from).
+# Each stage is skipped when its checkpoint is there (one cut off resumes); a set's rows compare
+# only with its own full-context row, so sets may come from different machines (weight builds).
+# On a 2-core CPU: about 30 + 20 minutes for the policies, 10 for a thread adapter, then 15-30
+# minutes a row of 200 questions (8 rows a set).
 # Usage: bash scripts/sidequest_replicate.sh [SET ...]   (default: a b c)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,14 +26,14 @@ thread() {  # thread SEED: the keep_calls call thread adapter of the four-hop he
 stage runs/browse/sft_smollm2/checkpoints/step_00000160 runs/browse/sft_smollm2 \
   compactrl train configs/browse/sft_smollm2.toml
 stage "$hops4" runs/browse/sft_smollm2_hops4 compactrl train configs/browse/sft_smollm2_hops4.toml --set threads=2
-thread 0 & thread 1000 & wait
-thread 2000
 bench() { compactrl bench memory configs/bench/sidequest_replicate.toml --set threads=1 --only "$@"; }
 sets=("$@")
 [ ${#sets[@]} -gt 0 ] || sets=(a b c)
+declare -A seed=([a]=0 [b]=1000 [c]=2000)
 for s in "${sets[@]}"; do
-  bench "$s-full" & bench "$s-sidequest-every2" & wait
-  bench "$s-keep-last-cursors-2" & bench "$s-random-cursors" & wait
-  bench "$s-snapkv-at-peak" & bench "$s-random-at-peak" & wait
-  bench "$s-snapkv-matched" & bench "$s-random-matched" & wait
+  bench "$s-full" & thread "${seed[$s]}" & wait
+  bench "$s-sidequest-every2" & bench "$s-keep-last-cursors-2" & wait
+  bench "$s-random-cursors" & bench "$s-snapkv-at-peak" & wait
+  bench "$s-random-at-peak" & bench "$s-snapkv-matched" & wait
+  bench "$s-random-matched"
 done

@@ -207,3 +207,27 @@ def test_compare_to_names_an_earlier_row(tmp_path):
     path.write_text('compare_to = "z"\n' + path.read_text())
     with pytest.raises(ValidationError, match="compare_to 'z' is not a row"):
         load_bench(path)
+
+
+def test_replicate_sets_pool_each_variant_over_every_sets_questions():
+    """Rows '<set>-<variant>' on disjoint questions, each compared to its set's full row: pooled, a
+    variant's difference is over all the questions (paired within each set), each set's beside."""
+    from compactrl.bench.memory import pooled, pooled_markdown
+
+    def row(name, seeds, right, base=None, diff=None, peak=100.0):
+        return {"row": name, "episode_seeds": seeds, "episode_correct": [1] * right + [0] * (40 - right),
+                "mean_peak_live_kv": peak, "compared_to": base, "paired_diff": diff}  # fmt: skip
+
+    a, b = list(range(0, 40)), list(range(100, 140))
+    table = [row("a-full", a, 20), row("a-x", a, 30, "a-full", 0.25, 60.0),
+             row("b-full", b, 10), row("b-x", b, 10, "b-full", 0.0, 50.0)]  # fmt: skip
+    (x,) = pooled(table)
+    assert x["variant"] == "x" and x["sets"] == ["a", "b"] and x["questions"] == 80
+    assert x["accuracy"] == 40 / 80 and x["baseline_accuracy"] == 30 / 80
+    assert x["paired_diff"] == pytest.approx(10 / 80) and x["per_set_diff"] == [0.25, 0.0]
+    assert x["mcnemar_p"] == pytest.approx(2 / 2**10) and x["paired_diff_ci"][0] > 0  # 10 discordant, one way
+    assert x["mean_peak_live_kv_ratio"] == pytest.approx(0.55)
+    assert "x better" in pooled_markdown([x])
+    table[2]["episode_seeds"] = a  # the sets overlap: not replicates
+    with pytest.raises(ValueError, match="different episode seeds|same questions"):
+        pooled(table)

@@ -124,7 +124,7 @@ class EpisodeResult:
     aux_no_room: int = 0  # threads that could not run or finish: no room (positions or KV pool) to fork
     aux_unknown_cursors: int = 0  # named cursors that were not open (never made, or deleted)
     aux_unseen_cursors: int = 0  # named cursors open now that the thread did not see open at its fork
-    aux_unfinished: int = 0  # threads whose answer was not due before the episode ended: no deletions
+    aux_unfinished: int = 0  # threads whose answer had not landed when the episode ended: no deletions
     aux_tokens: int = 0  # tokens the auxiliary threads generated (never in the main stream)
     aux_kv_reads: int = 0  # the auxiliary threads' KV reads (the shared prefix included)
     aux_kept_unread: int = 0  # keep_unread: named outputs no action had read yet, not deleted
@@ -481,7 +481,7 @@ class Episode:
 
     async def _aux_end(self) -> None:
         """The episode ended with a thread in flight: it is run to its end (its trace is kept), but
-        its answer was not due, so it deleted nothing; its trace is flagged ``unfinished`` (left out
+        its answer had not landed, so it deleted nothing; its trace is flagged ``unfinished`` (left out
         of the loss and of the deletion scores)."""
         th, self.aux = self.aux, None
         await asyncio.wait([th.task])

@@ -25,11 +25,12 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compactrl.agent.batch import RolloutConfig, rollout
 from compactrl.config import load_config, read_toml
-from compactrl.stats import align, compare, fmt_ci, mean_ci, verdict, wilson
+from compactrl.stats import align, compare, fmt_ci, mean_ci, paired_diff, verdict, wilson
 
 
 class Row(BaseModel):
@@ -70,6 +71,10 @@ class MemoryBench(BaseModel):
         "(default: the first row, full context)"
     )  # fmt: skip
     row: list[Row] = Field(min_length=1, description="the rows, in order ([[row]] tables)")
+    pool_sets: bool = Field(
+        False, description="rows are named '<set>-<variant>', each set on its own questions and compared "
+        "to its set's baseline: also report each variant's paired difference pooled over every set"
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _rows(self):
@@ -218,6 +223,52 @@ def _compare(bench: MemoryBench, table: list[dict]) -> None:
         row |= dict.fromkeys(("compared_to", "paired_diff", "paired_diff_ci", "mcnemar_p"))
         if base in by_name and (a := correct(row)) and (b := correct(by_name[base])):
             row |= compare(a, b, spec.name, base)
+
+
+def pooled(table: list[dict]) -> list[dict]:
+    """Rows named ``<set>-<variant>``, each compared to its own set's baseline, pooled per variant:
+    its accuracy and its paired difference to the baseline over every set's questions (the sets are
+    replicates: other questions, thread seeds, weight builds), with each set's difference beside."""
+    by_name, groups = {r["row"]: r for r in table}, defaultdict(list)
+    for r in table:
+        if r.get("paired_diff") is not None:
+            groups[r["row"].split("-", 1)[1]].append(r)
+    out = []
+    for variant, rows in groups.items():
+        mine: dict[int, float] = {}
+        base: dict[int, float] = {}
+        for r in rows:
+            b = by_name[r["compared_to"]]
+            mine |= dict(zip(r["episode_seeds"], map(float, r["episode_correct"]), strict=True))
+            base |= dict(zip(b["episode_seeds"], map(float, b["episode_correct"]), strict=True))
+        a, b = align(mine, base, variant, "its baselines")
+        d = paired_diff(a, b)
+        out.append({
+            "variant": variant, "sets": [r["row"].split("-", 1)[0] for r in rows], "questions": d.n,
+            "accuracy": float(a.mean()), "accuracy_ci": mean_ci(a), "baseline_accuracy": float(b.mean()),
+            "baseline_accuracy_ci": mean_ci(b), **d.row_fields(),
+            "per_set_diff": [r["paired_diff"] for r in rows],
+            "mean_peak_live_kv_ratio": float(np.mean(
+                [r["mean_peak_live_kv"] / by_name[r["compared_to"]]["mean_peak_live_kv"] for r in rows])),
+        })  # fmt: skip
+    return out
+
+
+def pooled_markdown(rows: list[dict]) -> str:
+    """One line per variant: pooled accuracy against its baselines', the paired difference and what
+    may be said of it, each set's difference, and the peak against the baselines'."""
+    lines = ["| variant | sets | questions | accuracy [95% CI] | baseline | paired difference [95% CI] "
+             "| verdict | per set | peak vs baseline |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["variant"], " ".join(r["sets"]), str(r["questions"]), fmt_ci(r["accuracy"], r["accuracy_ci"]),
+            fmt_ci(r["baseline_accuracy"], r["baseline_accuracy_ci"]),
+            fmt_ci(r["paired_diff"], r["paired_diff_ci"], True) + ("" if r["mcnemar_p"] is None
+                                                                   else f" (p {r['mcnemar_p']:.2g})"),
+            verdict(r["paired_diff_ci"], r["variant"], "baseline", r["mcnemar_p"]),
+            " ".join(f"{x:+.2f}" for x in r["per_set_diff"]), f"{r['mean_peak_live_kv_ratio']:.2f}x",
+        ]) + " |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def deletion_rate(row: dict) -> float:

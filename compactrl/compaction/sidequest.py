@@ -187,7 +187,7 @@ def deletion_scores(main: Trace, aux: list[Trace]) -> dict[str, int]:
     """The auxiliary threads' answers against the hindsight labels of the episode they ran in: per
     call (fork before action ``t``), the cursors named vs the expired ones live at the fork.
     ``correct / named`` is the deletion precision, ``correct / expired`` the recall. A thread whose
-    answer was not due before the episode ended (``meta["unfinished"]``) acted on nothing: left out."""
+    answer had not landed when the episode ended (``meta["unfinished"]``) acted on nothing: left out."""
     acts = actions_of(main)
     last, made = last_use(acts), {a.cursor: a for a in acts if a.cursor is not None}
     out = {"calls": 0, "named": 0, "expired": 0, "correct": 0}
