@@ -892,16 +892,23 @@ def bench_evictors(
         table = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title=f"{name}: full-context peak {t['full_peak_live_kv']}"
         )
-        columns = ("row", "budget", "reward [95% CI]", "vs full, paired [95% CI]", "peak KV", "KV reads/ep",
-                   "evictions/ep", "not done", "overhead", "decode vs full", "logprob diff")  # fmt: skip
+        columns = ("row", "budget", "reward [95% CI]", "vs full, paired [95% CI]", "vs random, paired",
+                   "peak KV", "KV reads/ep", "evictions/ep", "not done", "overhead", "decode vs full",
+                   "logprob diff")  # fmt: skip
         for c in columns:
             table.add_column(c, no_wrap=True)
+
+        def vs(d: dict | None, name: str) -> str:
+            if not d or not d["paired_diff_ci"]:
+                return "-"
+            ci = d["paired_diff_ci"]
+            said = verdict(ci, name, d["compared_to"], d["mcnemar_p"])
+            return f"{fmt_ci(d['paired_diff'], ci, True)}: {said}"
+
         for r in t["rows"]:
-            ci = r["paired_diff_ci"]
-            said = ci and verdict(ci, r["name"], r["compared_to"], r["mcnemar_p"])
-            vs = f"{fmt_ci(r['paired_diff'], ci, True)}: {said}" if ci else "-"
             table.add_row(
-                r["name"], str(r["budget"] or "-"), fmt_ci(r["reward"], r["reward_ci"]), vs,
+                r["name"], str(r["budget"] or "-"), fmt_ci(r["reward"], r["reward_ci"]), vs(r, r["name"]),
+                vs(r.get("vs_random"), r["name"]),
                 str(r["peak_live_kv"]), f"{r['kv_reads']:.0f}", f"{r['evictions']:.1f}",
                 str(r["non_completion"]), f"{r['overhead']:.2f}", f"{r['decode_speed_vs_full']:.2f}",
                 f"{r['max_abs_logprob_diff']:.1e}",

@@ -2,6 +2,7 @@
 attention computed directly (the kept set must be equal), and engine log-probs under an evictor
 against the trainer's one-pass forward over the exported trace."""
 
+import json
 import math
 
 import pydantic
@@ -373,9 +374,13 @@ def test_bench_evictors_table_shows_intervals_and_the_paired_difference(tmp_path
 
     from compactrl.cli import app
 
-    args = ["bench", "evictors", "--task", "recall", "--evictor", "h2o", "--budget", "0.7", "--episodes", "2",
-            "--out", str(tmp_path / "b.json")]  # fmt: skip
-    r = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    args = ["bench", "evictors", "--task", "recall", "--evictor", "h2o", "--evictor", "random",
+            "--budget", "0.7", "--episodes", "2", "--out", str(tmp_path / "b.json")]  # fmt: skip
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "320"})
     assert r.exit_code == 0, r.output
     assert "vs full, paired [95% CI]" in r.output and re.search(r"\d\.\d\d \[\d\.\d\d, \d\.\d\d\]", r.output)
-    assert r.output.count("no difference measured") == 2  # two questions cannot show one
+    # evict_steps, h2o and random against full, h2o against random: two questions cannot show one
+    assert r.output.count("no difference measured") == 4 and "vs random, paired" in r.output
+    rows = json.loads((tmp_path / "b.json").read_text())["tasks"]["recall"]["rows"]
+    (h2o,) = [x for x in rows if x["name"] == "h2o"]
+    assert h2o["vs_random"]["compared_to"] == f"random at {h2o['budget']}"

@@ -172,13 +172,18 @@ def run_evictors_bench(
 
 
 def _pair(rows: list[dict]) -> None:
-    """Each row's reward against full context's (the first row) on the same episode seeds: the
-    paired difference and its interval, in place; the per-episode rewards are not kept."""
+    """Each row's reward against full context's (the first row) on the same episode seeds, and each
+    scored evictor's against random eviction at the same budget (the baseline a score must beat):
+    the paired difference, its interval and McNemar's p, in place (``vs_random``: the same fields);
+    the per-episode rewards are not kept."""
     per_seed = [r.pop("per_seed") for r in rows]
     rows[0] |= dict.fromkeys(("compared_to", "paired_diff", "paired_diff_ci", "mcnemar_p"))
+    random = {r["budget"]: x for r, x in zip(rows, per_seed, strict=True) if r["name"] == "random"}
     for r, x in zip(rows[1:], per_seed[1:], strict=True):
         label = r["name"] if r["budget"] is None else f"{r['name']} at {r['budget']}"
         r |= compare(x, per_seed[0], label, rows[0]["name"])
+        if r["name"] in METHODS and r["name"] != "random" and r["budget"] in random:
+            r["vs_random"] = compare(x, random[r["budget"]], label, f"random at {r['budget']}")
 
 
 def plot_evictors(result: dict, path: Path) -> Path:
