@@ -240,6 +240,22 @@ def test_one_failing_episode_is_recorded_and_the_batch_is_kept(model_dir):
     assert all(s.closed for s in engine.sessions)  # nothing of the failed episode is left in the engine
 
 
+def test_a_compaction_never_deletes_a_call_before_its_output_lands(model_dir):
+    """A summary that keeps no step verbatim would delete the newest action too, and its output,
+    arriving after, would belong to no step and stay forever. The action stays until its output is
+    in and both go at the next compaction: nothing but the head outlives two summaries."""
+    strategy = Summary(trigger="every", every=2, tail=0, max_tokens=8)
+    _, results = run(model_dir, lambda: RoomsEnv(n_rooms=7, filler=3), strategy, "stream")
+    for r in results:
+        assert r.error is None and r.compactions >= 3
+        (t,) = r.traces
+        role, live = np.array(t.role), t.evict_at == len(t)
+        summaries = np.flatnonzero(role == "summary")
+        second_last = t.turn[summaries][t.turn[summaries] < t.turn[summaries[-1]]].max()
+        old = live & (t.turn > 1) & (t.turn < second_last)  # turns 0 and 1: the system/task head
+        assert not old.any(), sorted(set(t.turn[old].tolist()))
+
+
 def test_oversubscribed_pool_preempts_and_completes_identically(model_dir):
     greedy = RolloutSettings(max_tokens=6, temperature=0.0)
     rooms = lambda: RoomsEnv(n_rooms=5, filler=3)  # noqa: E731

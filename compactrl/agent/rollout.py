@@ -204,6 +204,7 @@ class Episode:
         self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
         self.aux: _Thread | None = None  # the auxiliary thread in flight (SideQuest)
         self.answered: set[int] = set()  # steps whose tool output is in the stream
+        self.pending: int | None = None  # the step whose action is in and whose output is not yet
         self.action_log: list[tuple[int, list]] = []  # (session, [end, cursor, refs, tool]) per action
 
     # ---- stream building ------------------------------------------------------------------------
@@ -243,6 +244,7 @@ class Episode:
         if sid not in self.kinds:  # a deletion may never remove a call before its output lands
             raise RuntimeError(f"step {sid} was deleted before its tool output landed")
         self.answered.add(sid)
+        self.pending = None
         c = self.cursor_of.get(sid)
         if not (self.sidequest and self.strategy.plan.keep_titles and c is not None):
             return self._message(sid, "user", text)
@@ -344,7 +346,7 @@ class Episode:
         answer = self.fmt.text(answer_ids) if req is not None else None
         decision: Decision = plan.decide(ctx, answer)
         self.result.pick_fallbacks += int(decision.fallback)
-        gone = set(decision.delete) & set(self.kinds)
+        gone = set(decision.delete) & set(self.kinds) - {self.pending}  # a call stays until its output is in
         if decision.keep_answer:  # the answer (a summary) becomes a step of its own, with the resume
             sid = self._new_step("summary")
             for p in [p for p in self.pieces if p.owner == AUX][-3:]:  # header, generated, close
@@ -521,7 +523,7 @@ class Episode:
                 self._message(self._new_step("step"), "user", obs)
             hint, since = reset.max_tokens, 0
             while True:
-                sid = self._new_step("step")
+                sid = self.pending = self._new_step("step")
                 action_ids = await self._generate(sid, "assistant", hint or s.max_tokens)
                 last_token = self.last_generated  # the action's end
                 r.turns += 1
