@@ -65,7 +65,8 @@ def test_a_cluster_too_small_for_the_actors_is_refused(cluster):
         connect(ClusterConfig(backend="ray", rollout_workers=3))
 
 
-def test_two_trainer_ranks_take_the_one_process_update(cluster, tiny_lm):
+def one_and_two_ranks(tiny_lm):
+    """Samples, and a one-process trainer beside two data-parallel ranks, from the same weights."""
     from compactrl.cluster.data_parallel import DataParallelTrainer
 
     torch.set_num_threads(1)
@@ -77,9 +78,15 @@ def test_two_trainer_ranks_take_the_one_process_update(cluster, tiny_lm):
     one = Trainer(copy.deepcopy(tiny_lm), cfg.train)
     dp = DataParallelTrainer(copy.deepcopy(tiny_lm), cfg.train)
     dp.start(cfg)
+    return samples, cfg, one, dp
 
-    def params(t):
-        return torch.cat([p.detach().flatten() for p in t.params])
+
+def params(t):
+    return torch.cat([p.detach().flatten() for p in t.params])
+
+
+def test_two_trainer_ranks_take_the_one_process_update(cluster, tiny_lm):
+    samples, cfg, one, dp = one_and_two_ranks(tiny_lm)
 
     try:
         for norm in ("token", "sequence", "constant"):  # the batch weights are rank 0's: its settings
@@ -132,21 +139,11 @@ def test_a_rank_that_fails_fails_the_step_on_every_rank_and_none_steps(cluster, 
     """A share that raises (a token id past the vocabulary) on rank 0 or on rank 1: the step raises,
     naming the rank and the cause, on the driver, and no rank blocks in the gradient all-reduce or
     takes the step; the next step is then one process's, on every rank."""
-    from compactrl.cluster.data_parallel import DataParallelTrainer, split_by_tokens
+    from compactrl.cluster.data_parallel import split_by_tokens
 
-    torch.set_num_threads(1)
-    samples = samples_of(engine_traces(tiny_lm, n=6))
-    cfg = load_config(TrainConfig, None, ["cluster.backend=ray", "cluster.trainer_workers=2",
-                                          "train.lr=1e-3", "train.micro_batch_tokens=1"])  # fmt: skip
-    shares = split_by_tokens(samples, 2)
+    samples, cfg, one, dp = one_and_two_ranks(tiny_lm)
     bad = copy.deepcopy(samples)
-    bad[shares[bad_rank][0]].trace.tokens[3] = 10**6  # past the 300-token vocabulary: a TraceError
-    one = Trainer(copy.deepcopy(tiny_lm), cfg.train)
-    dp = DataParallelTrainer(copy.deepcopy(tiny_lm), cfg.train)
-    dp.start(cfg)
-
-    def params(t):
-        return torch.cat([p.detach().flatten() for p in t.params])
+    bad[split_by_tokens(samples, 2)[bad_rank][0]].trace.tokens[3] = 10**6  # past the vocabulary: a TraceError
 
     try:
         cause = f"failed on rank {bad_rank}: TraceError: .*>= vocab_size 300"
