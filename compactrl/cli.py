@@ -219,7 +219,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a policy on held-out episodes without training; one result file per checkpoint."""
     from compactrl.rl.loop import TrainConfig, evaluate
-    from compactrl.stats import fmt_ci, mean_ci
+    from compactrl.stats import fmt_ci
 
     cfg = load_run_config(TrainConfig, config, overrides)
     if episodes < 1:
@@ -234,10 +234,6 @@ def eval_cmd(
         fail(str(e))
     except OSError as e:
         fail(os_error(e))
-    # 95% intervals over the held-out episodes (success as the result counts it: reward >= 1)
-    rewards = [e["reward"] for e in json.loads(Path(result["path"]).read_text())["episode_metrics"]]
-    result.setdefault("mean_reward_ci", mean_ci(rewards))
-    result.setdefault("success_rate_ci", mean_ci([float(r >= 1.0) for r in rewards]))
     if as_json:
         emit_json(result)
     else:

@@ -203,7 +203,6 @@ class Episode:
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
         self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
         self.aux: _Thread | None = None  # the auxiliary thread in flight (SideQuest)
-        self.answered: set[int] = set()  # steps whose tool output is in the stream
         self.pending: int | None = None  # the step whose action is in and whose output is not yet
         self.action_log: list[tuple[int, list]] = []  # (session, [end, cursor, refs, tool]) per action
 
@@ -243,7 +242,6 @@ class Episode:
         (no cursor label either), so deleting the cursor leaves it."""
         if sid not in self.kinds:  # a deletion may never remove a call before its output lands
             raise RuntimeError(f"step {sid} was deleted before its tool output landed")
-        self.answered.add(sid)
         self.pending = None
         c = self.cursor_of.get(sid)
         if not (self.sidequest and self.strategy.plan.keep_titles and c is not None):
@@ -402,7 +400,7 @@ class Episode:
         )  # fmt: skip
         self.messages += 1
         r.aux_calls += 1
-        seen = {c: sid for c, sid in self._live_cursors().items() if sid in self.answered}
+        seen = {c: sid for c, sid in self._live_cursors().items() if sid != self.pending}
         unread = {c for c, k in self.cursors.items() if k["last_used"] == action and not k["referenced"]}
         if self.demo:  # the env's memory oracle writes the answer, teacher-forced
             info = [
