@@ -15,8 +15,8 @@ paired on the same questions (episode seeds), to a baseline row: the bench's ``c
 default the first row (full context in the shipped benches), or the row's own ``compare_to``. The
 row gets the mean difference in accuracy (``paired_diff``, row minus baseline), its paired
 bootstrap interval (``paired_diff_ci``), McNemar's exact p-value (``mcnemar_p``) and the
-baseline's name (``compared_to``); a row whose or whose baseline's episodes are not in their run
-folders (a row read back from an older results file) gets None there.
+baseline's name (``compared_to``). Rows keep their per-question results, so rows read back from
+``results`` compare without their run folders; a row from a file written before that gets None there.
 """
 
 from __future__ import annotations
@@ -119,9 +119,11 @@ def _run(cfg: RolloutConfig, progress=None) -> tuple[dict, list[dict]]:
     return json.loads(done.read_text()), episodes
 
 
-def _correct(episodes: list[dict]) -> dict[int, float]:
-    """Episode seed -> 1.0 if answered correctly (the question a paired comparison matches on)."""
-    return {e["seed"]: float(bool(e["info"].get("correct"))) for e in episodes}
+def _per_question(row: dict) -> dict[int, float] | None:
+    """Episode seed -> 1.0 if answered correctly (what a paired comparison matches on); None for a
+    row written before rows kept them."""
+    seeds = row.get("episode_seeds")
+    return None if seeds is None else dict(zip(seeds, map(float, row["episode_correct"]), strict=True))
 
 
 def _seeds(cfg: RolloutConfig) -> dict[int, float]:
@@ -142,7 +144,7 @@ def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
         "row": name, "strategy": cfg.strategy.name, "mode": cfg.mode,
         "evictor": cfg.evictor.name if cfg.evictor else None,
         "budget": cfg.evictor.budget if cfg.evictor else None, "episodes": n, "accuracy": s["accuracy"],
-        "accuracy_ci": mean_ci(list(_correct(episodes).values())),
+        "accuracy_ci": mean_ci([int(bool(e["info"].get("correct"))) for e in episodes]),
         # per question (episode seed), what a paired comparison matches on, kept with the row
         "episode_seeds": [e["seed"] for e in episodes],
         "episode_correct": [int(bool(e["info"].get("correct"))) for e in episodes],
@@ -209,11 +211,6 @@ def _compare(bench: MemoryBench, table: list[dict]) -> None:
     """Each row's interval and paired comparison to its baseline, in place, from the per-question
     results the rows keep (no comparison for a row from before they were kept)."""
     by_name = {r["row"]: r for r in table}
-
-    def correct(row: dict) -> dict[int, float] | None:
-        seeds = row.get("episode_seeds")
-        return None if seeds is None else dict(zip(seeds, map(float, row["episode_correct"]), strict=True))
-
     for spec in bench.row:
         row, base = by_name.get(spec.name), bench.baseline(spec)
         if row is None:
@@ -221,7 +218,7 @@ def _compare(bench: MemoryBench, table: list[dict]) -> None:
         if row.get("accuracy_ci") is None:  # a row from before intervals: Wilson needs only k and n
             row["accuracy_ci"] = wilson(round(row["accuracy"] * row["episodes"]), row["episodes"])
         row |= dict.fromkeys(("compared_to", "paired_diff", "paired_diff_ci", "mcnemar_p"))
-        if base in by_name and (a := correct(row)) and (b := correct(by_name[base])):
+        if base in by_name and (a := _per_question(row)) and (b := _per_question(by_name[base])):
             row |= compare(a, b, spec.name, base)
 
 
@@ -238,9 +235,8 @@ def pooled(table: list[dict]) -> list[dict]:
         mine: dict[int, float] = {}
         base: dict[int, float] = {}
         for r in rows:
-            b = by_name[r["compared_to"]]
-            mine |= dict(zip(r["episode_seeds"], map(float, r["episode_correct"]), strict=True))
-            base |= dict(zip(b["episode_seeds"], map(float, b["episode_correct"]), strict=True))
+            mine |= _per_question(r)
+            base |= _per_question(by_name[r["compared_to"]])
         a, b = align(mine, base, variant, "its baselines")
         d = paired_diff(a, b)
         out.append({
