@@ -350,6 +350,18 @@ class PeerFailed(RuntimeError):
         self.ranks = ranks
 
 
+class DataParallelError(RuntimeError):
+    """A data-parallel step failed on one or more ranks (``failed``: rank -> cause); no rank took it."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        causes = "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items()))
+        super().__init__(
+            f"the data-parallel training step failed on {causes}. No rank took the step; fix the cause "
+            "and continue the run from its newest checkpoint with --resume"
+        )
+        self.failed = failed
+
+
 def _agree(error: Exception | None, device: torch.device, group) -> None:
     """Every rank says whether its share failed (one all-reduce of a flag per rank) before any
     gradient is reduced. Raises the rank's own ``error``, or :class:`PeerFailed` when another failed."""
@@ -379,15 +391,3 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
     for p in params:
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
-
-
-class DataParallelError(RuntimeError):
-    """A data-parallel step failed on one or more ranks (``failed``: rank -> cause); no rank took it."""
-
-    def __init__(self, failed: dict[int, str]) -> None:
-        causes = "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items()))
-        super().__init__(
-            f"the data-parallel training step failed on {causes}. No rank took the step; fix the cause "
-            "and continue the run from its newest checkpoint with --resume"
-        )
-        self.failed = failed
