@@ -923,7 +923,9 @@ def bench_memory(
     """Accuracy against memory: one rollout run per row (cursor rules, SideQuest, evictors)."""
     import pydantic
 
-    from compactrl.bench.memory import load_bench, markdown, pooled, pooled_markdown, run_memory_bench
+    from compactrl.bench.memory import (
+        contrasted, load_bench, markdown, pooled, pooled_markdown, run_memory_bench,
+    )
     from compactrl.config import ConfigError
 
     try:
@@ -939,7 +941,9 @@ def bench_memory(
         return
     out.print(markdown(table))
     if bench.pool_sets:
-        out.print(pooled_markdown(pooled(table)))
+        out.print(pooled_markdown(pooled(table, bench.contrasts)))
+    elif bench.contrasts:
+        out.print(pooled_markdown(contrasted(table, bench.contrasts)))
     out.print(f"wrote {bench.results}" + (f" and {bench.plot}" if bench.plot else ""))
 
 

@@ -75,6 +75,10 @@ class MemoryBench(BaseModel):
         False, description="rows are named '<set>-<variant>', each set on its own questions and compared "
         "to its set's baseline: also report each variant's paired difference pooled over every set"
     )  # fmt: skip
+    contrasts: list[tuple[str, str]] = Field(
+        [], description="pairs [A, B] also compared paired (A minus B), beside each row against its "
+        "baseline: row names, or with pool_sets variant names, pooled over the sets that hold both"
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _rows(self):
@@ -90,6 +94,11 @@ class MemoryBench(BaseModel):
             seen.add(r.name)
         if self.compare_to is not None and self.compare_to not in seen:
             raise ValueError(f"compare_to {self.compare_to!r} is not a row; rows: {sorted(seen)}")
+        names = {n.split("-", 1)[-1] for n in seen} if self.pool_sets else seen
+        for pair in self.contrasts:
+            if unknown := [n for n in pair if n not in names]:
+                raise ValueError(f"contrasts {list(pair)}: {unknown} is not a "
+                                 f"{'variant' if self.pool_sets else 'row'}; they are {sorted(names)}")
         return self
 
     def baseline(self, row: Row) -> str | None:
@@ -222,46 +231,68 @@ def _compare(bench: MemoryBench, table: list[dict]) -> None:
             row |= compare(a, b, spec.name, base)
 
 
-def pooled(table: list[dict]) -> list[dict]:
-    """Rows named ``<set>-<variant>``, each compared to its own set's baseline, pooled per variant:
-    its accuracy and its paired difference to the baseline over every set's questions (the sets are
-    replicates: other questions, thread seeds, weight builds), with each set's difference beside."""
+def _pool(variant: str, baseline: str, pairs: list[tuple[dict, dict]], sets: list[str]) -> dict:
+    """Rows against rows, a pair per set on its own questions: the paired difference over every
+    set's questions (paired within each set), with each set's difference beside."""
+    mine: dict[int, float] = {}
+    base: dict[int, float] = {}
+    per_set = []
+    for r, b in pairs:
+        pr, pb = _per_question(r), _per_question(b)
+        x, y = align(pr, pb, r["row"], b["row"])
+        per_set.append(float((x - y).mean()))
+        mine |= pr
+        base |= pb
+    a, b = align(mine, base, variant, baseline)
+    d = paired_diff(a, b)
+    return {
+        "variant": variant, "baseline": baseline, "sets": sets,
+        "questions": d.n, "accuracy": float(a.mean()), "accuracy_ci": mean_ci(a),
+        "baseline_accuracy": float(b.mean()), "baseline_accuracy_ci": mean_ci(b), **d.row_fields(),
+        "per_set_diff": per_set,
+        "mean_peak_live_kv_ratio": float(np.mean([r["mean_peak_live_kv"] / b["mean_peak_live_kv"] for r, b in pairs])),
+    }  # fmt: skip
+
+
+def pooled(table: list[dict], contrasts: list[tuple[str, str]] = ()) -> list[dict]:
+    """Rows named ``<set>-<variant>``, each compared to its own set's baseline, pooled per variant
+    over every set (the sets are replicates: other questions, thread seeds, weight builds); then each
+    contrast [A, B] between two variants, over the sets that hold both."""
     by_name, groups = {r["row"]: r for r in table}, defaultdict(list)
     for r in table:
         if r.get("paired_diff") is not None:
-            groups[r["row"].split("-", 1)[1]].append(r)
-    out = []
-    for variant, rows in groups.items():
-        mine: dict[int, float] = {}
-        base: dict[int, float] = {}
-        for r in rows:
-            mine |= _per_question(r)
-            base |= _per_question(by_name[r["compared_to"]])
-        a, b = align(mine, base, variant, "its baselines")
-        d = paired_diff(a, b)
-        out.append({
-            "variant": variant, "sets": [r["row"].split("-", 1)[0] for r in rows], "questions": d.n,
-            "accuracy": float(a.mean()), "accuracy_ci": mean_ci(a), "baseline_accuracy": float(b.mean()),
-            "baseline_accuracy_ci": mean_ci(b), **d.row_fields(),
-            "per_set_diff": [r["paired_diff"] for r in rows],
-            "mean_peak_live_kv_ratio": float(np.mean(
-                [r["mean_peak_live_kv"] / by_name[r["compared_to"]]["mean_peak_live_kv"] for r in rows])),
-        })  # fmt: skip
+            groups[r["row"].split("-", 1)[1]].append((r, by_name[r["compared_to"]]))
+
+    def set_of(r: dict) -> str:
+        return r["row"].split("-", 1)[0]
+
+    out = [_pool(v, pairs[0][1]["row"].split("-", 1)[1], pairs, [set_of(r) for r, _ in pairs])
+           for v, pairs in groups.items()]  # fmt: skip
+    for a, b in contrasts:
+        sets = [s for s in dict.fromkeys(map(set_of, table)) if f"{s}-{a}" in by_name and f"{s}-{b}" in by_name]
+        if sets:
+            out.append(_pool(a, b, [(by_name[f"{s}-{a}"], by_name[f"{s}-{b}"]) for s in sets], sets))
     return out
 
 
+def contrasted(table: list[dict], contrasts: list[tuple[str, str]]) -> list[dict]:
+    """Each contrast [A, B] of rows both in ``table``: A's paired difference to B."""
+    by_name = {r["row"]: r for r in table}
+    return [_pool(a, b, [(by_name[a], by_name[b])], []) for a, b in contrasts if a in by_name and b in by_name]
+
+
 def pooled_markdown(rows: list[dict]) -> str:
-    """One line per variant: pooled accuracy against its baselines', the paired difference and what
-    may be said of it, each set's difference, and the peak against the baselines'."""
+    """One line per variant (or contrast): pooled accuracy against its baseline's, the paired
+    difference and what may be said of it, each set's difference, and the peak against the baseline's."""
     lines = ["| variant | sets | questions | accuracy [95% CI] | baseline | paired difference [95% CI] "
              "| verdict | per set | peak vs baseline |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append("| " + " | ".join([
             r["variant"], " ".join(r["sets"]), str(r["questions"]), fmt_ci(r["accuracy"], r["accuracy_ci"]),
-            fmt_ci(r["baseline_accuracy"], r["baseline_accuracy_ci"]),
+            f"{r['baseline']} " + fmt_ci(r["baseline_accuracy"], r["baseline_accuracy_ci"]),
             fmt_ci(r["paired_diff"], r["paired_diff_ci"], True) + ("" if r["mcnemar_p"] is None
                                                                    else f" (p {r['mcnemar_p']:.2g})"),
-            verdict(r["paired_diff_ci"], r["variant"], "baseline", r["mcnemar_p"]),
+            verdict(r["paired_diff_ci"], r["variant"], r["baseline"], r["mcnemar_p"]),
             " ".join(f"{x:+.2f}" for x in r["per_set_diff"]), f"{r['mean_peak_live_kv_ratio']:.2f}x",
         ]) + " |")  # fmt: skip
     return "\n".join(lines)
