@@ -232,7 +232,8 @@ def test_replicate_sets_pool_each_variant_over_every_sets_questions():
     (_, _, xy) = pooled(table, [("x", "y")])
     assert xy["variant"] == "x" and xy["baseline"] == "y" and xy["sets"] == ["a"] and xy["questions"] == 40
     assert xy["paired_diff"] == pytest.approx(5 / 40) and xy["per_set_diff"] == [pytest.approx(5 / 40)]
-    assert xy["mean_peak_live_kv_ratio"] == pytest.approx(60 / 80) and "no difference measured" in pooled_markdown([xy])
+    assert xy["mean_peak_live_kv_ratio"] == pytest.approx(60 / 80)
+    assert "no difference measured" in pooled_markdown([xy])
     table.pop()
     table[2]["episode_seeds"] = a  # the sets overlap: not replicates
     with pytest.raises(ValueError, match="different episode seeds|same questions"):
@@ -247,7 +248,7 @@ def test_contrasts_name_rows_or_with_pool_sets_variants(tmp_path):
     path.write_text('contrasts = [["a-x", "a-full"]]\n' + path.read_text())
     assert load_bench(path).contrasts == [("a-x", "a-full")]
     path.write_text("pool_sets = true\n" + path.read_text())
-    with pytest.raises(ValidationError, match=r"\['a-x', 'a-full'\] is not a variant; they are \['full', 'x'\]"):
+    with pytest.raises(ValidationError, match=r"\['a-x', 'a-full'\] is not a variant; they are \['full'"):
         load_bench(path)
     table = [{"row": n, "episode_seeds": [1, 2, 3], "episode_correct": c, "mean_peak_live_kv": 10.0}
              for n, c in (("p", [1, 1, 0]), ("q", [0, 1, 0]))]

@@ -518,3 +518,68 @@ def test_engine_steps_record_no_autograd_graph_on_a_trainable_model(tiny_lm):
     eng.run()
     assert not any(t.requires_grad for t in [*eng.kv.k, *eng.kv.v])
     assert s.pending_logits is None or not s.pending_logits.requires_grad
+
+
+def test_the_engine_forgets_closed_sessions_over_ten_thousand_of_them(tiny_lm):
+    """A server's engine must not grow with the sessions it has seen: a closed session leaves every
+    scan, its KV row and its evictor state; only the metrics' sums remain (and add up)."""
+    import gc
+    import weakref
+
+    from compactrl.compaction.evictors import H2O
+
+    eng = engine(tiny_lm, pool=4096, step=512)
+    gone, sizes = [], []
+    for wave in range(200):
+        batch = [eng.session() for _ in range(50)]
+        for k, s in enumerate(batch):
+            s.append([2 + (wave + k) % 200] * 3)
+            if k % 10 == 0:
+                s.use_evictor(H2O(budget=4, window=1, protect_turn=False))
+            s.generate(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        eng.run()
+        assert len(eng.sessions) == 50
+        for s in batch:
+            s.close()
+        gone += [weakref.ref(s) for s in batch[::10]]
+        del batch, s
+        sizes.append((len(eng.sessions), len(eng.active), len(eng.segments), eng.kv.nbytes(),
+                      eng.kv_tokens_used()))  # fmt: skip
+    gc.collect()
+    assert all(r() is None for r in gone)  # nothing in the engine still holds a closed session
+    assert sizes[-1] == sizes[9] == (0, 0, 0, sizes[9][3], 0)  # flat: no session, no KV in use, same buffers
+    m = eng.metrics()
+    assert m["sessions"] == 0 and m["sessions_closed"] == 10_000
+    assert m["decode_tokens"] == 20_000 and m["prefill_tokens"] == 30_000 and m["evictor_s"] > 0
+
+
+@pytest.mark.parametrize("forked", [False, True])
+def test_truncate_continues_as_a_fresh_stream_of_the_kept_prefix(tiny_lm, forked):
+    """Re-prefill's prefix reuse: cut a stream back to n tokens and continue; the result is the
+    stream a fresh session of those tokens gives (same tokens sampled, same log-probs, positions
+    contiguous), with only the cut token before n re-fed. A stream with evictions cannot be cut."""
+    eng = engine(tiny_lm, pool=2000, step=64)
+    s = eng.session("cut")
+    s.append(list(range(10, 40)))
+    g = s.generate(SamplingParams(max_tokens=5, seed=3, ignore_eos=True))
+    eng.run()
+    if forked:  # the kept prefix then lies partly in a shared, frozen segment
+        child = s.fork("child")
+        child.append([7, 8])
+        eng.run()
+    assert s.truncate(20) == 15 and len(s.tokens) == s.live == 20 and s.fed == 19
+    s.append([50, 51, 52])
+    g = s.generate(SamplingParams(max_tokens=6, seed=4, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    fresh = eng.session("fresh")
+    fresh.append(list(range(10, 30)) + [50, 51, 52])
+    f = fresh.generate(SamplingParams(max_tokens=6, seed=4, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    assert g.tokens == f.tokens and s.tokens == fresh.tokens
+    assert max(abs(a - b) for a, b in zip(g.logprobs, f.logprobs)) < 1e-5
+    assert_matches_trainer(tiny_lm, [s])
+    s.evict([(0, 2)])
+    with pytest.raises(SessionError, match="a cut would undo evictions"):
+        s.truncate(5)
+    with pytest.raises(SessionError, match="outside the stream"):
+        fresh.truncate(100)

@@ -137,6 +137,11 @@ class Conversation:
         other.messages, other._memo = list(self.messages), dict(self._memo)
         return other
 
+    def reset(self, messages: list[dict[str, str]]) -> None:
+        """Continue from these messages (what is left live once a client removed some): the next
+        message renders against them; the tokens already in the stream are not re-rendered."""
+        self.messages, self._memo = list(messages), {}
+
     def _context(self) -> list[dict[str, str]]:
         return self.messages if self.fmt.rewrites == "error" else self.messages[:1]
 

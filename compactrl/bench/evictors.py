@@ -72,7 +72,7 @@ TASKS = {
 
 def _run(engine: Engine, task: dict, strategy_cfg, evictor, mode: str, seeds: list[int]) -> dict:
     """One row: the episodes, batched, and what they cost."""
-    engine.sessions, engine.totals["forward_s"] = [], 0.0
+    engine.totals["forward_s"] = engine.totals["evictor_s"] = 0.0
     settings = task["settings"]
     fmt = ChatFormat.from_tokenizer(engine.tokenizer, settings.chat_rewrites, settings.chat_template_kwargs)
     strategy = build_strategy(strategy_cfg) if strategy_cfg is not None else None
@@ -82,7 +82,7 @@ def _run(engine: Engine, task: dict, strategy_cfg, evictor, mode: str, seeds: li
         run_episodes(engine, fmt, make, strategy, mode, settings, seeds, len(seeds), evictor=evictor)
     )
     wall = time.perf_counter() - t0
-    evictor_s = sum(s.evictor.seconds for s in engine.sessions if s.evictor is not None)
+    evictor_s = engine.metrics()["evictor_s"]
     rewards = np.array([r.reward for r in results])
     causes = {c: sum(r.non_completion == c for r in results) for c in NON_COMPLETION}
     traces = [t for r in results for t in r.traces]

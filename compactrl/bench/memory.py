@@ -250,7 +250,8 @@ def _pool(variant: str, baseline: str, pairs: list[tuple[dict, dict]], sets: lis
         "questions": d.n, "accuracy": float(a.mean()), "accuracy_ci": mean_ci(a),
         "baseline_accuracy": float(b.mean()), "baseline_accuracy_ci": mean_ci(b), **d.row_fields(),
         "per_set_diff": per_set,
-        "mean_peak_live_kv_ratio": float(np.mean([r["mean_peak_live_kv"] / b["mean_peak_live_kv"] for r, b in pairs])),
+        "mean_peak_live_kv_ratio": float(np.mean(
+            [r["mean_peak_live_kv"] / b["mean_peak_live_kv"] for r, b in pairs])),
     }  # fmt: skip
 
 
@@ -269,7 +270,8 @@ def pooled(table: list[dict], contrasts: list[tuple[str, str]] = ()) -> list[dic
     out = [_pool(v, pairs[0][1]["row"].split("-", 1)[1], pairs, [set_of(r) for r, _ in pairs])
            for v, pairs in groups.items()]  # fmt: skip
     for a, b in contrasts:
-        sets = [s for s in dict.fromkeys(map(set_of, table)) if f"{s}-{a}" in by_name and f"{s}-{b}" in by_name]
+        sets = [s for s in dict.fromkeys(map(set_of, table))
+                if f"{s}-{a}" in by_name and f"{s}-{b}" in by_name]  # fmt: skip
         if sets:
             out.append(_pool(a, b, [(by_name[f"{s}-{a}"], by_name[f"{s}-{b}"]) for s in sets], sets))
     return out
@@ -278,7 +280,8 @@ def pooled(table: list[dict], contrasts: list[tuple[str, str]] = ()) -> list[dic
 def contrasted(table: list[dict], contrasts: list[tuple[str, str]]) -> list[dict]:
     """Each contrast [A, B] of rows both in ``table``: A's paired difference to B."""
     by_name = {r["row"]: r for r in table}
-    return [_pool(a, b, [(by_name[a], by_name[b])], []) for a, b in contrasts if a in by_name and b in by_name]
+    pairs = [(a, b) for a, b in contrasts if a in by_name and b in by_name]
+    return [_pool(a, b, [(by_name[a], by_name[b])], []) for a, b in pairs]
 
 
 def pooled_markdown(rows: list[dict]) -> str:

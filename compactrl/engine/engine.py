@@ -33,7 +33,7 @@ from compactrl.engine.kv_cache import KVCache, Segment
 from compactrl.engine.linear import Linears, MatmulMode
 from compactrl.engine.runner import Feed, forward_step, prefill_stream, thread_tokens
 from compactrl.engine.sampling import Sampler, find_stop
-from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError
+from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError, SessionMetrics
 from compactrl.models.decoder import CausalLM
 from compactrl.models.loading import load_model
 from compactrl.models.lora import adapter_mask
@@ -78,14 +78,16 @@ class Engine:
         self.sampler = Sampler()
         self.projections = [FusedProjection(layer.self_attn) for layer in model.model.layers]
         self.linears = Linears(model, self.config.matmul)
-        self.sessions: list[Session] = []
+        self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
         self.segments: set[Segment] = set()
         self.tick = 0
         self.weights_version = 0  # weight loads applied (update_weights / stage_weights)
         self._staged: tuple[dict[str, torch.Tensor], int] | None = None
         self._staged_lock = threading.Lock()
-        self.totals = {"steps": 0, "forward_s": 0.0, "peak_kv_tokens": 0}
+        self.totals = {"steps": 0, "forward_s": 0.0, "peak_kv_tokens": 0, "evictor_s": 0.0}
+        self.closed = SessionMetrics()  # the metrics of every closed session, summed
+        self.closed_sessions = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, dtype="float32", device="cpu", config=None) -> Engine:
@@ -118,8 +120,23 @@ class Engine:
     # ---- sessions --------------------------------------------------------------------------
     def session(self, rollout_id: str | None = None) -> Session:
         s = Session(self, rollout_id)
-        self.sessions.append(s)
+        self.sessions[s] = None
         return s
+
+    def forget(self, s: Session) -> None:
+        """A closed session leaves the engine entirely (its KV, its evictor state, its place in every
+        scan); its metrics stay only as sums, so a server's engine does not grow with the sessions it
+        has seen."""
+        self.release(s)
+        if s in self.sessions:
+            del self.sessions[s]
+            for k, v in asdict(s.metrics).items():
+                if k != "peak_live_kv":
+                    setattr(self.closed, k, getattr(self.closed, k) + v)
+            self.closed_sessions += 1
+            if s.evictor is not None:
+                self.totals["evictor_s"] += s.evictor.seconds
+        s.evictor = None
 
     def wake(self, s: Session) -> None:
         self.active[s] = None
@@ -179,6 +196,19 @@ class Engine:
         s.chain = []
         self.active.pop(s, None)
 
+    def truncate(self, s: Session, n: int) -> None:
+        """Cut a session's KV back to its first ``n - 1`` stream tokens (token ``n - 1`` is fed
+        again, so the next generation has its logits; it gets the same K/V, at the same position)."""
+        keep = max(n - 1, 0)
+        if s.row is not None:
+            self.kv.cut(s.row, keep)
+        for seg, mask in s.chain:
+            mask[torch.as_tensor(seg.stream_index >= keep, device=mask.device)] = False
+        s.fed = min(s.fed, keep)
+        s.pending_logits = None
+        if s.busy:
+            self.wake(s)
+
     # ---- KV bookkeeping --------------------------------------------------------------------
     def live_parts(self, s: Session, chain=None) -> list[tuple[int, torch.Tensor]]:
         """A resident session's live KV entries in stream order, as ``(row, entries)``: those of its
@@ -224,7 +254,7 @@ class Engine:
 
     def _idle_residents(self) -> bool:
         """Idle sessions hold KV: waiting out their grace period (or displacing them) makes room."""
-        return any(not s.busy and s.row is not None and not s.closed for s in self.sessions)
+        return any(not s.busy and s.row is not None for s in self.sessions)
 
     def _displaceable(self, s: Session, now: float) -> bool:
         """An idle resident that has been idle past the grace period (an agent between turns
@@ -235,7 +265,7 @@ class Engine:
         now = time.monotonic()
         victims = [
             s for s in self.sessions
-            if s.row is not None and s not in keep and not s.closed
+            if s.row is not None and s not in keep
             and (self._displaceable(s, now) if idle_only else True)
         ]  # fmt: skip
         if not victims:
@@ -300,7 +330,9 @@ class Engine:
         out = self.sampler.sample(logits, [g.params for g in gens], [g.generator for g in gens], forced)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         mlps = out.model_logprobs.tolist() if out.model_logprobs is not None else [None] * len(ready)
-        for s, g, tok, lp, mlp in zip(ready, gens, toks, lps, mlps, strict=True):
+        for i, (s, g, tok, lp, mlp) in enumerate(zip(ready, gens, toks, lps, mlps, strict=True)):
+            if g.params.top_logprobs:
+                g.top_logprobs.append(out.top[i])
             s._extend([tok], role=g.role, turn=g.turn, lp=lp, model_lp=mlp)
             s.pending_logits = None
             g.tokens.append(tok)
@@ -453,14 +485,19 @@ class Engine:
         return staged is not None
 
     def metrics(self) -> dict:
-        per = [asdict(s.metrics) for s in self.sessions]
-        total = {k: sum(m[k] for m in per) for k in per[0]} if per else {}
-        total.pop("peak_live_kv", None)
-        fed = total.get("prefill_tokens", 0) + total.get("decode_tokens", 0)
+        total = asdict(self.closed)
+        for s in self.sessions:
+            for k, v in asdict(s.metrics).items():
+                total[k] += v
+        total.pop("peak_live_kv")
+        fed = total["prefill_tokens"] + total["decode_tokens"]
         return {
             **total,
             "sessions": len(self.sessions),
-            "live_kv_tokens": sum(s.live for s in self.sessions if not s.closed),
+            "sessions_closed": self.closed_sessions,
+            "evictor_s": self.totals["evictor_s"]
+            + sum(s.evictor.seconds for s in self.sessions if s.evictor),
+            "live_kv_tokens": sum(s.live for s in self.sessions),
             "kv_tokens_used": self.kv_tokens_used(),
             "peak_kv_tokens": self.totals["peak_kv_tokens"],
             "kv_bytes_allocated": self.kv.nbytes(),

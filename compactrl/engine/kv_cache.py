@@ -126,6 +126,14 @@ class KVCache:
         """Stream index of every entry of ``row`` (sorted: entries are kept in stream order)."""
         return self.pos[row, : self.used[row]]
 
+    def cut(self, row: int, stream_at: int) -> None:
+        """Forget the row's entries at stream index ``stream_at`` and later: they are its last ones
+        (entries are in stream order), so the row just ends before them."""
+        at = int(torch.searchsorted(self.stream_index(row), stream_at))
+        self.dead[row] -= int((~self.valid[row, at : self.used[row]]).sum())
+        self.valid[row, at : self.used[row]] = False
+        self.used[row] = at
+
     def invalidate(self, row: int, entries: torch.Tensor) -> None:
         """Evict entries in place: clear their valid bits (no data moves)."""
         self.valid[row, entries] = False

@@ -35,6 +35,8 @@ class SamplingParams(pydantic.BaseModel):
     ignore_eos: bool = False
     stop: list[str] = []
     model_logprobs: bool = False
+    top_logprobs: int = pydantic.Field(0, ge=0, le=20, description="also report this many most likely "
+                                       "tokens per step, with log-probs under the distribution sampled from")
     # teacher forcing: emit exactly these tokens (a demonstration), each scored as if sampled (its
     # log-prob under this distribution), so a demonstrated trace is checked like a sampled one
     forced: list[int] = []
@@ -94,6 +96,7 @@ class SampleOutput:
     tokens: torch.Tensor  # long [B]
     logprobs: torch.Tensor  # float64 [B], under the distribution sampled from
     model_logprobs: torch.Tensor | None  # float64 [B], log_softmax(raw logits); None if no row asked
+    top: list[list[tuple[int, float]]] | None = None  # per row its top_logprobs (token, log-prob), best first
 
 
 def make_generator(seed: int | None) -> random.Random | None:
@@ -176,4 +179,9 @@ class Sampler:
         logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1)
         want_model = any(p.model_logprobs for p in params)
         model_out = model_lp.gather(-1, tokens[:, None]).squeeze(-1) if want_model else None
-        return SampleOutput(tokens=tokens, logprobs=logprobs, model_logprobs=model_out)
+        top = None
+        if k := max(p.top_logprobs for p in params):
+            vals, ids = lp.topk(k, dim=-1)
+            top = [list(zip(i[: p.top_logprobs], v[: p.top_logprobs], strict=True)) for p, i, v in
+                   zip(params, ids.tolist(), vals.tolist(), strict=True)]  # fmt: skip
+        return SampleOutput(tokens=tokens, logprobs=logprobs, model_logprobs=model_out, top=top)

@@ -49,7 +49,9 @@ class Generation:
     role: str
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "position_limit"
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if params ask
+    finish_reason: str | None = None  # "stop" | "length" | "position_limit" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason is "error"
     callbacks: list[Callable[[Generation], None]] = field(default_factory=list)
     future: asyncio.Future | None = None
 
@@ -250,6 +252,27 @@ class Session:
         self.metrics.evicted_tokens += len(idx)
         self.metrics.evictions += 1
 
+    def truncate(self, n: int) -> int:
+        """Forget the stream from index ``n`` on, as if it had never been appended: the tokens that
+        follow are fed at positions ``n, n + 1, ...`` (re-prefill's prefix reuse, what a prefix cache
+        gives; KV-streams' in-place eviction is :meth:`evict`). Only a stream nothing was evicted from
+        can be cut: an eviction recorded after ``n`` would be undone. Returns the tokens cut."""
+        self._check_open("truncate")
+        self._check_idle("truncate")
+        T = len(self.tokens)
+        if not 0 <= n <= T:
+            raise SessionError(f"truncate({n}) is outside the stream [0, {T}]")
+        if any(e is not None for e in self.evict_at) or self.evictor is not None:
+            raise SessionError(f"session {self.id} has evicted tokens (or runs an evictor): a cut would undo "
+                               "evictions; cut only a stream that is never evicted (re-prefill)")  # fmt: skip
+        self.footprint.drop(self.keys[n:])
+        for name in RECORD_FIELDS:
+            del getattr(self, name)[n:]
+        del self.keys[n:]
+        self.live -= T - n
+        self.engine.truncate(self, n)
+        return T - n
+
     def use_evictor(self, evictor, head: int = 0) -> Session:
         """Have the engine run a token evictor (:mod:`compactrl.compaction.evictors`) on this session
         from now on; stream indices below ``head`` are never evicted (set ``evictor.head`` later if
@@ -271,13 +294,18 @@ class Session:
         for j in indices:
             self.cursor[j] = cursor
 
+    def cancel(self) -> None:
+        """Stop the generation in progress (finish reason ``"abort"``); what it sampled stays."""
+        if self.generating:
+            self.generation._finish("abort")
+
     def close(self) -> None:
         if not self.closed:
             if self.generating:
                 raise SessionError(f"session {self.id} is generating; wait for it before closing")
-            self.engine.release(self)
             self.closed = True
             self.footprint.drop(self._live_keys())
+            self.engine.forget(self)
 
     def _live_keys(self) -> list[int]:
         return [k for k, e in zip(self.keys, self.evict_at, strict=True) if e is None]

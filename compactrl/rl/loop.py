@@ -371,7 +371,6 @@ def _sft_step(cfg: TrainConfig, engine, fmt: ChatFormat, strategy, trainer: Trai
             demo=True, evictor=cfg.evictor,
         )  # fmt: skip
         results = asyncio.run(played)
-        engine.sessions = [s for s in engine.sessions if not s.closed]
         failed = [r for r in results if r.error or r.truncated]
         if failed:
             raise ValueError(f"a demonstration (env seed {failed[0].seed}) did not finish: "
@@ -411,7 +410,6 @@ def _sidequest_step(cfg: TrainConfig, engine, fmt: ChatFormat, trainer: Trainer,
     make = lambda: make_env(cfg.env)  # noqa: E731
     played = run_episodes(engine, fmt, make, None, "full", cfg.rollout, env_seeds, len(env_seeds), demo=demo)
     results = asyncio.run(played)
-    engine.sessions = [s for s in engine.sessions if not s.closed]
     main = [r.traces[0] for r in results if r.reward >= 1.0 and r.error is None]
     labels = random.Random(f"sidequest/{cfg.seed}/{step}")  # the same split when resumed
     every, trigger = strategy.every, strategy.trigger
@@ -763,7 +761,6 @@ def _held_out(cfg: TrainConfig, engine, episodes: int, greedy: bool) -> tuple[di
         engine, fmt, make, strategy, cfg.mode, settings, seeds, episodes, evictor=cfg.evictor
     )
     results = asyncio.run(played)
-    engine.sessions = [s for s in engine.sessions if not s.closed]
     rewards = np.array([r.reward for r in results])
     stats = {
         "episodes": episodes,

@@ -55,7 +55,6 @@ def run_seeds(cfg, engine: Engine, fmt, strategy, seeds: list[int], sample_seeds
     episodes = run_episodes(engine, fmt, make, strategy, cfg.mode, cfg.rollout, seeds, len(seeds),
                             sample_seeds=sample_seeds, evictor=cfg.evictor)  # fmt: skip
     results = asyncio.run(episodes)
-    engine.sessions = [s for s in engine.sessions if not s.closed]  # finished rollouts
     return results
 
 

@@ -1,0 +1,572 @@
+"""`compactrl serve` with the real openai client on 127.0.0.1: sessions keep one KV stream, a client's
+removed messages are evicted in place, and what the server returns is what the trainer replays."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.models.tiny import write_tiny_model
+from compactrl.rl.forward import stream_logprobs
+from compactrl.serve.app import Server, create_app
+from compactrl.trace import Trace
+
+KEY = "sk-test"
+GREEDY = {"temperature": 0.0, "max_tokens": 6}
+NO_EOS = {"ignore_eos": True}  # a random tiny model: every answer is exactly max_tokens long
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny", family="qwen3", seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(model_dir, pool=20_000, **kw):
+    """A server on 127.0.0.1 in a thread of this process (its engine on its own thread)."""
+    engine = Engine.from_pretrained(model_dir, config=EngineConfig(kv_pool_tokens=pool, max_step_tokens=512))
+    server = Server(engine, model_name="tiny", api_key=KEY, **kw)
+    srv = uvicorn.Server(
+        uvicorn.Config(create_app(server), host="127.0.0.1", port=free_port(), log_level="warning")
+    )
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield server, f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    with serving(model_dir) as s:
+        yield s
+
+
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def http(url) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def play(c: openai.OpenAI, sid: str | None, turns=4, window=1, compaction=None):
+    """A harness that keeps only the newest ``window`` tool outputs: the answers, their served
+    log-probs and usages, and the messages it sent."""
+    messages = [
+        {"role": "system", "content": "You browse."},
+        {"role": "user", "content": "Find the capital."},
+    ]
+    out = []
+    for t in range(turns):
+        extra = {**NO_EOS, "return_token_ids": True} | ({"session_id": sid} if sid else {})
+        if compaction:
+            extra["compaction"] = compaction
+        r = c.chat.completions.create(
+            model="tiny", messages=messages, logprobs=True, extra_body=extra, **GREEDY
+        )
+        ch = r.choices[0]
+        out.append((ch.message.content, ch.token_ids, [e.logprob for e in ch.logprobs.content], r.usage))
+        messages.append({"role": "assistant", "content": ch.message.content})
+        messages.append({"role": "tool", "content": f"page {t}: the capital of country {t} is city {t * 7}."})
+        tools = [i for i, m in enumerate(messages) if m["role"] == "tool"]
+        for i in reversed(tools[:-window]):
+            del messages[i]
+    return out, messages
+
+
+def reference(model_dir, turns=4, window=1):
+    """The same harness in process, on the engine's own API: messages appended with the template,
+    dropped tool outputs evicted in place; the sampled tokens and log-probs."""
+    eng = Engine.from_pretrained(model_dir)
+    fmt = ChatFormat.from_tokenizer(eng.tokenizer)
+    s, conv = eng.session(), fmt.conversation()
+    live = []  # (message, start, end)
+
+    def add(role, text, toks):
+        start = len(s.tokens)
+        s.append(toks, role=role)
+        live.append(({"role": role, "content": text}, start, len(s.tokens)))
+
+    add("system", "You browse.", conv.message("system", "You browse."))
+    add("user", "Find the capital.", conv.message("user", "Find the capital."))
+    out = []
+    for t in range(turns):
+        start = len(s.tokens)
+        s.append(conv.prompt(), role="assistant")
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        g = s.generate(params)
+        eng.run()
+        text = fmt.text(g.tokens)
+        s.append(conv.close(g.tokens), role="assistant")
+        live.append(({"role": "assistant", "content": text}, start, len(s.tokens)))
+        out.append((text, list(g.tokens), list(g.logprobs)))
+        # the next request drops the oldest tool outputs as it adds the newest: the server evicts
+        # first, so the new output never sees the dropped ones
+        tools = [k for k, (m, *_) in enumerate(live) if m["role"] == "tool"]
+        for k in reversed(tools[: len(tools) + 1 - window]):
+            _, a, b = live.pop(k)
+            s.evict([(a, b)])
+        conv.reset([m for m, *_ in live])
+        page = f"page {t}: the capital of country {t} is city {t * 7}."
+        add("tool", page, conv.message("tool", page))
+    return out
+
+
+def test_a_session_that_drops_old_tool_outputs_is_the_in_process_stream_and_the_trainer_replays_it(
+    served, model_dir
+):
+    server, url = served
+    c = client(url)
+    got, _ = play(c, "agent-1")
+    want = reference(model_dir)
+    assert [(t, ids) for t, ids, *_ in got] == [(t, ids) for t, ids, _ in want]
+    for (*_, lps, _), (*_, ref_lps) in zip(got, want, strict=True):
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-5
+    usage = [u for *_, u in got]
+    # from the second turn on the session feeds only what is new: the previous answer's close, the
+    # tool output and the generation prompt; the dropped tool output is evicted, nothing re-prefilled
+    assert (
+        usage[0].prompt_tokens_details.cached_tokens == 0
+        and usage[0].prefilled_tokens == usage[0].prompt_tokens
+    )
+    for u in usage[1:]:
+        assert 0 < u.prefilled_tokens < 40 and u.prompt_tokens_details.cached_tokens > u.prefilled_tokens
+    assert [u.evicted_tokens > 0 for u in usage] == [False, False, True, True]
+    with http(url) as h:
+        body = h.get("/v1/sessions/agent-1/trace").json()
+    (row,) = body["traces"]
+    trace = Trace.from_dict(row)
+    assert trace.num_evicted > 0
+    with torch.no_grad():
+        replayed = stream_logprobs(server.engine.model, [trace])[0].double()
+    m = torch.as_tensor(trace.trainable)
+    served_lps = torch.tensor([x for *_, lps, _ in got for x in lps], dtype=torch.float64)
+    assert int(m.sum()) == len(served_lps) == 4 * 6
+    assert (replayed[m] - served_lps).abs().max() < 5e-5
+
+
+def test_a_reprefill_session_is_the_negative_control(served):
+    """Re-prefill cuts the stream at the first removal and feeds the rest again at contiguous positions:
+    the same tokens until the first removal, other log-probs after it; each cut stream a segment."""
+    _, url = served
+    c = client(url)
+    stream, _ = play(c, "ctl-stream")
+    again, _ = play(c, "ctl-reprefill", compaction="reprefill")
+    for k in range(2):  # the first removal comes with the third request (tool output 0 dropped)
+        assert max(abs(a - b) for a, b in zip(stream[k][2], again[k][2], strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(stream[2][2], again[2][2], strict=True)) > 1e-3
+    assert again[1][3].evicted_tokens == 0 and again[2][3].prefilled_tokens > stream[2][3].prefilled_tokens
+    with http(url) as h:
+        body = h.get("/v1/sessions/ctl-reprefill/trace").json()
+    assert body["compaction"] == "reprefill" and len(body["traces"]) == 3  # cut twice, then the current
+    assert all(Trace.from_dict(t).num_evicted == 0 for t in body["traces"])
+
+
+def test_streaming_sync_and_async_deliver_what_a_plain_answer_holds(served):
+    _, url = served
+    c = client(url)
+    msgs = [{"role": "user", "content": "Say something."}]
+    plain = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY)
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+            **GREEDY,
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert (
+        chunks[-1].usage.completion_tokens == 6
+        and chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    )
+
+    async def two_at_once():
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        rs = await asyncio.gather(
+            *[
+                ac.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY)
+                for _ in range(2)
+            ]
+        )
+        stream = await ac.chat.completions.create(
+            model="tiny", messages=msgs, stream=True, extra_body=NO_EOS, **GREEDY
+        )
+        parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+        await ac.close()
+        return [r.choices[0].message.content for r in rs], "".join(parts)
+
+    answers, streamed = asyncio.run(two_at_once())
+    assert answers == [plain.choices[0].message.content] * 2 and streamed == answers[0]
+
+
+def test_n_choices_fork_the_prompt_and_leave_nothing_behind(served):
+    server, url = served
+    before = len(server.engine.sessions)
+    r = client(url).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Pick."}],
+        n=3,
+        temperature=1.0,
+        seed=5,
+        max_tokens=6,
+        extra_body=NO_EOS | {"return_token_ids": True},
+    )
+    ids = [ch.token_ids for ch in r.choices]
+    assert len(ids) == 3 and len({tuple(x) for x in ids}) > 1  # seeds 5, 6, 7
+    assert len(server.engine.sessions) == before  # the request's session and its forks are closed
+
+
+def test_completions_take_token_ids_and_a_session_continues_by_prefix(served):
+    _, url = served
+    c = client(url)
+    tok = [5, 17, 99, 300, 42]
+    r1 = c.completions.create(
+        model="tiny",
+        prompt=tok,
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=2,
+        extra_body=NO_EOS | {"session_id": "tok", "return_token_ids": True},
+    )
+    ids = r1.choices[0].token_ids
+    assert len(ids) == 4 and len(r1.choices[0].logprobs.top_logprobs[0]) == 2
+    r2 = c.completions.create(
+        model="tiny",
+        prompt=tok + ids + [7, 8],
+        max_tokens=4,
+        temperature=0.0,
+        extra_body=NO_EOS | {"session_id": "tok"},
+    )
+    assert r2.usage.prefilled_tokens == 2 and r2.usage.evicted_tokens == 0
+    r3 = c.completions.create(
+        model="tiny",
+        prompt=tok[:3] + [9],
+        max_tokens=4,
+        temperature=0.0,
+        extra_body=NO_EOS | {"session_id": "tok"},
+    )
+    assert r3.usage.prefilled_tokens == 1 and r3.usage.evicted_tokens == len(tok) - 3 + 4 + 2 + 4
+    assert r3.usage.prompt_tokens_details.cached_tokens == 3
+
+
+def test_tokenize_is_what_a_session_feeds(served):
+    _, url = served
+    msgs = [{"role": "system", "content": "S."}, {"role": "user", "content": "Hi there."}]
+    with http(url) as h:
+        tok = h.post("/tokenize", json={"model": "tiny", "messages": msgs}).json()
+        r = h.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": msgs, "return_token_ids": True, **GREEDY, **NO_EOS},
+        ).json()
+        text = h.post("/detokenize", json={"model": "tiny", "tokens": tok["tokens"]}).json()["prompt"]
+    assert tok["tokens"] == r["prompt_token_ids"] and tok["count"] == r["usage"]["prompt_tokens"]
+    assert "Hi there." in text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
+            422,
+            "frobnicate",
+        ),
+        ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "is not served here"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1},
+            422,
+            "penalty",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": " ".join(map(str, range(30000)))}],
+                "max_tokens": 5,
+            },
+            413,
+            "positions",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 19999},
+            413,
+            "KV tokens",
+        ),
+    ],
+)
+def test_bad_chat_requests_get_an_openai_error_naming_the_problem(served, body, status, says):
+    _, url = served
+    with http(url) as h:
+        kw = (
+            {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body}
+        )
+        r = h.post("/v1/chat/completions", **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert says in err["message"] and err["type"]
+
+
+def test_bad_token_ids_unknown_sessions_and_keys(served):
+    server, url = served
+    with http(url) as h:
+        r = h.post("/v1/completions", json={"model": "tiny", "prompt": [1, 10**7], "max_tokens": 2})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+        assert h.get("/v1/sessions/nope/trace").status_code == 404
+        assert h.delete("/v1/sessions/nope").status_code == 404
+    bare = httpx.get(f"{url}/v1/models")
+    assert bare.status_code == 401 and "API key" in bare.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200  # no key needed
+    wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-wrong"})
+    assert wrong.status_code == 401
+
+
+def test_a_session_used_twice_at_once_is_refused_and_left_as_it_was(served):
+    server, url = served
+    long = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Go."}],
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "session_id": "twice",
+        "stream": True,
+    }
+    with http(url) as h, h.stream("POST", "/v1/chat/completions", json=long) as first:
+        lines = first.iter_lines()
+        next(lines)  # the role delta: the first request holds the session
+        second = h.post("/v1/chat/completions", json={**long, "stream": False, "max_tokens": 2})
+        assert second.status_code == 409 and "one at a time" in second.json()["error"]["message"]
+        rest = [x for x in lines if x.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert server.worker.sessions["twice"].busy is False
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_and_the_session_stays_consistent(served):
+    server, url = served
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Go on."}],
+        "max_tokens": 2000,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "session_id": "gone",
+        "stream": True,
+    }
+    with http(url) as h:
+        with h.stream("POST", "/v1/chat/completions", json=body) as r:
+            for _ in zip(range(3), r.iter_lines()):
+                pass  # read a little, then hang up
+        deadline = time.monotonic() + 30
+        while server.worker.sessions["gone"].busy:
+            assert time.monotonic() < deadline, "the cancelled request never released its session"
+            time.sleep(0.02)
+        cs = server.worker.sessions["gone"]
+        assert cs.live[-1].role == "assistant" and not cs.stream.generating
+        partial = len(cs.stream.tokens)
+        assert partial < 2000  # stopped long before max_tokens
+        nxt = h.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
+    assert nxt.status_code == 200
+    assert nxt.json()["usage"]["evicted_tokens"] > 0  # the unsent partial answer left the stream
+
+
+def test_a_full_queue_answers_429_with_retry_after(model_dir):
+    with serving(model_dir, max_queue=1) as (server, url), http(url) as h:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Go."}],
+            "max_tokens": 300,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with h.stream("POST", "/v1/chat/completions", json=body) as first:
+            next(first.iter_lines())
+            r = h.post("/v1/chat/completions", json={**body, "stream": False})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert "max-queue" in r.json()["error"]["message"]
+
+
+def test_metrics_and_load_weights(served, model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    server, url = served
+    c = client(url)
+    msgs = [{"role": "user", "content": "Weights?"}]
+    before = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY).choices[0]
+    folder = tmp_path / "new"
+    folder.mkdir()
+    state = load_file(model_dir / "model.safetensors")
+    save_file(
+        {k: v + 0.05 * torch.randn_like(v) if v.ndim == 2 else v for k, v in state.items()},
+        folder / "model.safetensors",
+    )
+    with http(url) as h:
+        r = h.post("/v1/load_weights", json={"path": str(folder)}).json()
+        assert r["loaded"] > 0 and r["weights_version"] == 1
+        after = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY).choices[0]
+        assert after.message.content != before.message.content
+        h.post("/v1/load_weights", json={"path": str(model_dir), "keep_kv": False})
+        bad = h.post("/v1/load_weights", json={"path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        text = h.get("/metrics").text
+    again = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY).choices[0]
+    assert again.message.content == before.message.content
+    assert 'compactrl_tokens_total{kind="evicted"}' in text and "compactrl_kv_tokens_used" in text
+
+
+def test_many_concurrent_sessions_with_random_removals_stay_valid_and_leave_nothing(model_dir):
+    """64 agents of 20 turns, each removing random earlier messages: no error, every trace the
+    trainer replays, and once the sessions are deleted the engine holds nothing."""
+    import random
+
+    with serving(model_dir, pool=60_000) as (server, url):
+
+        async def agent(ac, k):
+            rng = random.Random(k)
+            msgs = [{"role": "system", "content": f"Agent {k}."}]
+            lps = []
+            for t in range(20):
+                msgs.append(
+                    {
+                        "role": rng.choice(["user", "tool"]),
+                        "content": f"obs {k}.{t} " + "z" * rng.randint(0, 9),
+                    }
+                )
+                if len(msgs) > 4 and rng.random() < 0.4:
+                    del msgs[rng.randrange(1, len(msgs) - 1)]
+                r = await ac.chat.completions.create(
+                    model="tiny",
+                    messages=msgs,
+                    max_tokens=3,
+                    temperature=1.0,
+                    seed=k * 100 + t,
+                    logprobs=True,
+                    extra_body=NO_EOS | {"session_id": f"load-{k}"},
+                )
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+                lps += [e.logprob for e in r.choices[0].logprobs.content]
+            return lps
+
+        async def main():
+            ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+            try:
+                return await asyncio.gather(*[agent(ac, k) for k in range(64)])
+            finally:
+                await ac.close()
+
+        served_lps = asyncio.run(main())
+        with http(url) as h:
+            traces = [
+                Trace.from_dict(h.get(f"/v1/sessions/load-{k}/trace").json()["traces"][0]) for k in range(64)
+            ]
+            assert sum(t.num_evicted > 0 for t in traces) > 50
+            with torch.no_grad():
+                replayed = stream_logprobs(server.engine.model, traces)
+            for t, lp, mine in zip(traces, replayed, served_lps, strict=True):
+                m = torch.as_tensor(t.trainable)
+                assert (lp.double()[m] - torch.tensor(mine, dtype=torch.float64)).abs().max() < 5e-5
+            for k in range(64):
+                assert h.delete(f"/v1/sessions/load-{k}").status_code == 200
+        deadline = time.monotonic() + 10
+        while server.engine.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng = server.engine
+        assert (
+            len(eng.sessions) == 0
+            and eng.kv_tokens_used() == 0
+            and not eng.active
+            and not server.worker.sessions
+        )
+        assert eng.metrics()["sessions_closed"] >= 64
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "compactrl.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        results = []
+
+        def ask():
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                timeout=120,
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "Long."}],
+                    "max_tokens": 300,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
+            results.append((r.status_code, json.loads(r.text)))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the requests are in flight
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(120) == 0
+    finally:
+        proc.kill()
+    assert [s for s, _ in results] == [200] * 4
+    assert all(b["usage"]["completion_tokens"] == 300 for _, b in results)
