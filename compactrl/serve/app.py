@@ -401,7 +401,7 @@ def create_app(server: Server) -> FastAPI:
         try:
 
             def begin(futures) -> Job:
-                cs = worker.session(sid, req.compaction, req.evictor, "chat")
+                cs = worker.session(sid, "chat", req.compaction, req.evictor, req.strategy)
                 job = Job(cs, Usage())
                 try:
                     cs.apply(cs.plan(messages, limit), job.usage)
@@ -443,6 +443,13 @@ def create_app(server: Server) -> FastAPI:
             prompts = req.prompts()
         except ValueError as e:
             raise ApiError(400, str(e), "prompt") from None
+        if req.strategy is not None:
+            raise ApiError(
+                400,
+                "a session's strategy works on chat messages (steps, tool outputs): use "
+                "/v1/chat/completions, or an evictor",
+                "strategy",
+            )
         if sid is not None and len(prompts) > 1:
             raise ApiError(
                 400, "a session continues one stream: send one prompt per request with a session_id", "prompt"
@@ -468,7 +475,7 @@ def create_app(server: Server) -> FastAPI:
             try:
 
                 def begin(futures, prompt=prompt) -> Job:
-                    cs = worker.session(sid, req.compaction, req.evictor, "completion")
+                    cs = worker.session(sid, "completion", req.compaction, req.evictor, req.strategy)
                     job = Job(cs, Usage())
                     try:
                         cs.sync_tokens(prompt, req.max_tokens, job.usage)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compactrl.compaction import StrategyConfig
 from compactrl.compaction.evictors import EvictorConfig
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -107,6 +108,7 @@ class _Sampling(_Strict):
     session_id: str | None = Field(None, min_length=1, max_length=256)
     compaction: Literal["stream", "reprefill"] | None = None
     evictor: EvictorConfig | None = None
+    strategy: StrategyConfig | None = None
     # OpenAI fields accepted at their neutral value only
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

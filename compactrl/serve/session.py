@@ -1,21 +1,30 @@
-"""A client's session: one engine stream that lives across requests, and the messages live in it.
+"""A client's session: one engine stream that lives across requests, and the messages recorded in it.
 
 Each request sends the whole message list, as OpenAI clients do. The session compares it with the
-messages live in its stream and turns the difference into stream operations (``plan``):
+messages it recorded and turns the difference into stream operations (:meth:`ChatSession.plan`):
 
 * a message the client sends back unchanged is matched to its tokens (an assistant message to the
   tokens sampled for it, by the text this server returned; never re-tokenised);
 * messages appended: only their tokens are fed;
 * messages removed, anywhere: their tokens are evicted in place (``evict_at`` recorded, positions
   kept, nothing re-prefilled);
-* a message changed or inserted before the end: from there on every live message is evicted and
-  the request's messages are fed again (what a prefix cache gives).
+* a message changed or inserted before the end: from there on every recorded message is evicted
+  and the request's messages are fed again (what a prefix cache gives).
 
-Matching walks the request in order and takes, for each message, the first live message after the
-previous match with the same role and content; the first message with no such match ends it. With
-``compaction = "reprefill"`` only a common prefix is kept: the stream is cut at the first difference
-and everything after it is fed again at contiguous positions (fresh-prefill semantics, KV of the
-prefix reused), and each cut stream is kept as a trace segment.
+Matching walks the request in order and takes, for each message, the first recorded message after
+the previous match with the same role and content; the first message with no such match ends it.
+
+A session may also compact on its own (``strategy``: a step-wise compactrl strategy that deletes
+without asking the model; ``evictor``: a token evictor), so a client that never edits its list
+still runs in bounded memory. A message the session deleted stays recorded as deleted: the client
+may keep sending it, and it is matched and stays out of the stream. Steps are as compactrl's
+strategies see them: the messages before the first answer are the protected head; step ``k`` is
+the ``k``-th answer and the messages that follow it; a tool message is a cursor.
+
+With ``compaction = "reprefill"`` the stream is never evicted in place: at the first message removed
+(by the client or the session's strategy) it is cut, and every kept message after it is fed again at
+contiguous positions (its original tokens), then the new ones: fresh-prefill semantics with the
+prefix's KV reused. Each cut stream is kept as a trace segment.
 
 A plan is made and checked (position limit, KV pool) on a fork of the conversation before anything
 changes, so a request that cannot be served leaves the session as it was.
@@ -28,22 +37,38 @@ the message list means use ``compaction = "reprefill"``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compactrl.agent.chat import ChatFormat, Conversation
-from compactrl.engine import Engine, SamplingParams
+from compactrl.compaction import Context, StepView, build_strategy
+from compactrl.engine import Engine
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
+from compactrl.trace import NO_CURSOR
+
+# strategies a session can run on its own: they delete without asking the model to write
+SERVER_STRATEGIES = (
+    "none",
+    "sliding_window",
+    "markovian",
+    "evict_steps",
+    "keep_last_cursors",
+    "drop_unreferenced",
+    "random_cursors",
+)
 
 
-@dataclass
-class Live:
-    """A message live in the stream: its tokens are ``[start, end)`` of the stream."""
+@dataclass(eq=False)
+class Record:
+    """A message of the session: its tokens are ``[start, end)`` of the stream (until deleted)."""
 
     role: str
     content: str
     start: int
     end: int
+    step: int  # -1: the head; k: the k-th answer and what follows it
+    cursor: int | None = None  # a tool message's cursor id
+    deleted: bool = False  # deleted by the session's own compaction; the client may still send it
 
     def message(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -51,12 +76,14 @@ class Live:
 
 @dataclass
 class Plan:
-    keep: list[int]  # indices of live messages kept
-    gone: list[Live]  # live messages removed
+    records: list[Record]  # the records after the request (kept ones, new ones appended later)
+    gone: list[Record]  # live records the client removed
+    drop: list[Record]  # live records the session's strategy deletes
     new: list[tuple[str, str, list[int]]]  # (role, content, tokens) appended
     prompt: list[int]  # the generation prompt
     conv: Conversation  # the conversation after the plan
-    cut: int | None = None  # reprefill: the stream is cut here
+    cut: int | None = None  # reprefill: the stream is cut here ...
+    refeed: list[Record] = field(default_factory=list)  # ... and these kept records fed again
 
 
 @dataclass
@@ -90,15 +117,20 @@ class ChatSession:
         fmt: ChatFormat,
         compaction: str = "stream",
         evictor=None,
+        strategy=None,
         kind: str = "chat",
     ):
         self.id, self.engine, self.fmt, self.compaction, self.kind = sid, engine, fmt, compaction, kind
-        self.evictor = evictor
+        self.evictor, self.strategy_cfg = evictor, strategy
+        self.strategy = build_strategy(strategy) if strategy is not None else None
         self.stream = engine.session(sid)
         if evictor is not None:
             self.stream.use_evictor(evictor)
         self.conv = fmt.conversation()
-        self.live: list[Live] = []
+        self.records: list[Record] = []
+        self.step = -1  # the latest answer's step (-1: none yet)
+        self.compacted_at = -1  # the step of the latest compaction
+        self.cursors = 0
         self.turn = -1
         self.segments: list[dict] = []  # reprefill: the traces of the streams cut before
         self.busy = False
@@ -106,47 +138,102 @@ class ChatSession:
 
     # ---- planning (nothing changes) ---------------------------------------------------------
     def _match(self, messages: list[tuple[str, str]]) -> tuple[list[int], int]:
-        """Indices of the live messages the request keeps, and how many request messages they cover."""
+        """Indices of the records the request keeps, and how many request messages they cover."""
         keep: list[int] = []
         j = 0
         for k, m in enumerate(messages):
-            if self.compaction == "reprefill":
-                found = j if j < len(self.live) and (self.live[j].role, self.live[j].content) == m else None
-            else:
-                found = next(
-                    (i for i in range(j, len(self.live)) if (self.live[i].role, self.live[i].content) == m),
-                    None,
-                )
+            found = next(
+                (
+                    i
+                    for i in range(j, len(self.records))
+                    if (self.records[i].role, self.records[i].content) == m
+                ),
+                None,
+            )
             if found is None:
                 return keep, k
             keep.append(found)
             j = found + 1
         return keep, len(messages)
 
+    def _live(self, r: Record) -> list[int]:
+        ev = self.stream.evict_at
+        return [j for j in range(r.start, r.end) if ev[j] is None]
+
+    def _compaction(self, live: list[Record], incoming: int, tool_incoming: bool) -> list[Record]:
+        """The records the session's strategy deletes at this step boundary (the answer's step, whose
+        output is still coming, stays)."""
+        if self.strategy is None or self.step < 0:
+            return []
+        steps: dict[int, list[Record]] = {}
+        for r in live:
+            if r.step >= 0:
+                steps.setdefault(r.step, []).append(r)
+        views = []
+        for k, rs in steps.items():
+            cursor = next((r.cursor for r in reversed(rs) if r.cursor is not None), None)
+            if k == self.step and tool_incoming:
+                cursor = self.cursors  # the output about to be read is this step's cursor
+            views.append(
+                StepView(
+                    k,
+                    sum(len(self._live(r)) for r in rs),
+                    "\n".join(r.content for r in rs),
+                    cursor=cursor,
+                    last_used=k,
+                )
+            )
+        head = sum(len(self._live(r)) for r in live if r.step < 0)
+        answers = [r for r in live if r.role == "assistant"]
+        ctx = Context(
+            views,
+            head,
+            incoming,
+            self.step,
+            self.step - self.compacted_at,
+            answers[-1].content if answers else "",
+        )
+        if not self.strategy.trigger(ctx):
+            return []
+        delete = set(self.strategy.plan.decide(ctx, None).delete) - {self.step}
+        return [r for r in live if r.step in delete]
+
     def plan(self, messages: list[tuple[str, str]], max_tokens: int) -> Plan:
         keep, k = self._match(messages)
         kept = set(keep)
-        gone = [m for i, m in enumerate(self.live) if i not in kept]
+        gone = [r for i, r in enumerate(self.records) if i not in kept and not r.deleted]
+        records = [self.records[i] for i in keep]
+        live = [r for r in records if not r.deleted]
         conv = self.conv.fork()
-        conv.reset([self.live[i].message() for i in keep])
+        conv.reset([r.message() for r in live])
+        preview = conv.fork()
+        incoming = sum(len(preview.message(role, text)) for role, text in messages[k:])
+        drop = self._compaction(live, incoming, any(role == "tool" for role, _ in messages[k:]))
+        if drop:
+            live = [r for r in live if r not in drop]
+            conv.reset([r.message() for r in live])
+        cut, refeed = None, []
+        if self.compaction == "reprefill" and (gone or drop):
+            cut = min(r.start for r in gone + drop)
+            refeed = [r for r in live if r.start > cut]
         new = [(role, text, conv.message(role, text)) for role, text in messages[k:]]
         prompt = conv.prompt()
-        cut = gone[0].start if gone and self.compaction == "reprefill" else None
-        plan = Plan(keep, gone, new, prompt, conv, cut)
-        base = len(self.stream.tokens) if cut is None else cut
+        plan = Plan(records, gone, drop, new, prompt, conv, cut, refeed)
+        base = len(self.stream.tokens) if cut is None else cut + sum(r.end - r.start for r in refeed)
         adding = sum(len(t) for *_, t in new) + len(prompt)
-        if base + adding >= self.engine.position_limit:
+        limit = self.engine.position_limit
+        if base + adding >= limit:
             raise ApiError(
                 413,
                 f"this request needs {base + adding} stream positions and at least one more to "
-                f"generate, but the model's position limit is {self.engine.position_limit} (positions "
-                "are never renumbered: removed messages do not free them); start a new session or "
-                "use a model with more positions",
+                f"generate, but the model's position limit is {limit} (positions are never "
+                "renumbered: removed messages do not free them); start a new session or use a model "
+                "with more positions",
                 "messages",
                 "context_length_exceeded",
             )
-        live = self.stream.live - self._live_tokens(gone) + adding
-        need = self.engine._blocks(live + min(max_tokens, self.engine.position_limit - base - adding))
+        going = sum(len(self._live(r)) for r in gone + drop)
+        need = self.engine._blocks(self.stream.live - going + adding + min(max_tokens, limit - base - adding))
         if need > self.engine.config.kv_pool_tokens:
             raise ApiError(
                 413,
@@ -158,45 +245,58 @@ class ChatSession:
             )
         return plan
 
-    def _live_tokens(self, gone: list[Live]) -> int:
-        ev = self.stream.evict_at
-        return sum(1 for m in gone for j in range(m.start, m.end) if ev[j] is None)
-
     # ---- applying ---------------------------------------------------------------------------
     def apply(self, plan: Plan, usage: Usage) -> None:
-        """Evict (or cut) what the client removed, feed what it added, and the generation prompt."""
+        """Evict (or cut) what was removed, feed what was added, and the generation prompt."""
+        s = self.stream
         if plan.cut is not None:
-            self.segments.append(self.stream.trace().to_dict())
-            usage.evicted_tokens = self.stream.truncate(plan.cut)
-        elif plan.gone:
-            ev = self.stream.evict_at
-            idx = [j for m in plan.gone for j in range(m.start, m.end) if ev[j] is None]
-            usage.evicted_tokens = self.stream.evict(idx) if idx else 0
-        self.live = [self.live[i] for i in plan.keep]
-        self.conv = plan.conv
-        usage.cached_tokens = self.stream.live
+            self.segments.append(s.trace().to_dict())
+            old = [(r, s.tokens[r.start : r.end], s.role[r.start], s.turn[r.start]) for r in plan.refeed]
+            usage.evicted_tokens = s.truncate(plan.cut) - sum(len(t) for _, t, *_ in old)
+            for r, toks, role, turn in old:
+                r.start = len(s.tokens)
+                s.append(toks, role=role, turn=turn)
+                r.end = len(s.tokens)
+            usage.prefilled_tokens = sum(len(t) for _, t, *_ in old)
+        elif plan.gone or plan.drop:
+            idx = [j for r in plan.gone + plan.drop for j in self._live(r)]
+            usage.evicted_tokens = s.evict(idx) if idx else 0
+        for r in plan.drop:
+            r.deleted = True
+        if plan.drop:
+            self.compacted_at = self.step
+        self.records, self.conv = plan.records, plan.conv
+        usage.cached_tokens = s.live - usage.prefilled_tokens
         for role, text, toks in plan.new:
-            self.turn += 1
-            start = len(self.stream.tokens)
-            self.stream.append(toks, role=role, turn=self.turn)
-            self.live.append(Live(role, text, start, len(self.stream.tokens)))
+            if role == "assistant":  # an answer the client wrote: a step of its own
+                self.step += 1
+            self._add(role, text, toks)
+        if self.step < 0 and s.evictor is not None:
+            s.evictor.head = len(s.tokens)  # the head (system prompt, task) is never evicted
         self.turn += 1
-        self.answer_start = len(self.stream.tokens)
-        self.stream.append(plan.prompt, role="assistant", turn=self.turn)
-        usage.prefilled_tokens = sum(len(t) for *_, t in plan.new) + len(plan.prompt)
-        usage.prompt_tokens = self.stream.live
+        self.answer_start = len(s.tokens)
+        s.append(plan.prompt, role="assistant", turn=self.turn)
+        usage.prefilled_tokens += sum(len(t) for *_, t in plan.new) + len(plan.prompt)
+        usage.prompt_tokens = s.live
 
-    def generate(self, params: SamplingParams) -> Generation:
-        return self.stream.generate(params, role="assistant", turn=self.turn)
+    def _add(self, role: str, text: str, toks: list[int]) -> None:
+        self.turn += 1
+        start = len(self.stream.tokens)
+        cursor = None
+        if role == "tool" and self.step >= 0:
+            cursor, self.cursors = self.cursors, self.cursors + 1
+        self.stream.append(toks, role=role, turn=self.turn, cursor=NO_CURSOR if cursor is None else cursor)
+        self.records.append(Record(role, text, start, len(self.stream.tokens), self.step, cursor))
 
     def finish(self, gen: Generation, text: str) -> None:
-        """Close the answer as the template does and record it as a live message with ``text`` (what
-        the client was sent): sent back unchanged, it matches these sampled tokens."""
+        """Close the answer as the template does and record it with ``text`` (what the client was
+        sent): sent back unchanged, it matches these sampled tokens. The answer opens a new step."""
         close = self.conv.close(gen.tokens)
         if len(self.stream.tokens) + len(close) <= self.engine.position_limit:
             self.stream.append(close, role="assistant", turn=self.turn)
         self.conv.messages[-1] = {"role": "assistant", "content": text}
-        self.live.append(Live("assistant", text, self.answer_start, len(self.stream.tokens)))
+        self.step += 1
+        self.records.append(Record("assistant", text, self.answer_start, len(self.stream.tokens), self.step))
         self.last_used = time.monotonic()
 
     # ---- token prompts (/v1/completions) ------------------------------------------------------
@@ -247,6 +347,5 @@ class ChatSession:
         return [*self.segments, self.stream.trace().to_dict()]
 
     def close(self) -> None:
-        if self.stream.generating:
-            self.stream.cancel()
+        self.stream.cancel()
         self.stream.close()

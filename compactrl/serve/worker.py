@@ -23,7 +23,7 @@ from compactrl.agent.chat import ChatFormat
 from compactrl.engine import Engine
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
-from compactrl.serve.session import ChatSession
+from compactrl.serve.session import SERVER_STRATEGIES, ChatSession
 
 log = logging.getLogger("compactrl.serve")
 
@@ -101,13 +101,14 @@ class EngineWorker:
         self._watchers.pop(gen, None)
 
     # ---- sessions (engine thread) -------------------------------------------------------------
-    def session(self, sid: str | None, compaction: str | None, evictor, kind: str) -> ChatSession:
-        """The named session (created on first use), or a new ephemeral one; marked busy."""
-        if sid is None:
-            cs = ChatSession(
-                f"req-{uuid.uuid4().hex[:12]}", self.engine, self.fmt, compaction or "stream", evictor, kind
-            )
-        elif (cs := self.sessions.get(sid)) is None:
+    def session(
+        self, sid: str | None, kind: str, compaction=None, evictor=None, strategy=None
+    ) -> ChatSession:
+        """The named session (created on first use with these settings), or a new ephemeral one;
+        marked busy. A named session keeps the settings it was created with."""
+        asked = {"compaction": compaction, "evictor": evictor, "strategy": strategy}
+        cs = self.sessions.get(sid) if sid is not None else None
+        if cs is None:
             if compaction == "reprefill" and evictor is not None:
                 raise ApiError(
                     400,
@@ -115,40 +116,56 @@ class EngineWorker:
                     "use compaction = 'stream'",
                     "evictor",
                 )
-            if len(self.sessions) >= self.max_sessions:
-                self.expire(force=True)
-            if len(self.sessions) >= self.max_sessions:
+            if strategy is not None and strategy.name not in SERVER_STRATEGIES:
                 raise ApiError(
-                    429,
-                    f"{len(self.sessions)} sessions are open, the server's --max-sessions; "
-                    "DELETE /v1/sessions/{id} the finished ones",
-                    code="too_many_sessions",
-                    headers={"Retry-After": "1"},
+                    400,
+                    f"strategy {strategy.name!r} cannot run inside a session (it asks the model "
+                    f"to write); a session runs {', '.join(SERVER_STRATEGIES)}",
+                    "strategy",
                 )
-            cs = self.sessions[sid] = ChatSession(
-                sid, self.engine, self.fmt, compaction or "stream", evictor, kind
+            if sid is not None and len(self.sessions) >= self.max_sessions:
+                self.expire(force=True)
+                if len(self.sessions) >= self.max_sessions:
+                    raise ApiError(
+                        429,
+                        f"{len(self.sessions)} sessions are open, the server's --max-sessions; "
+                        "DELETE /v1/sessions/{id} the finished ones",
+                        code="too_many_sessions",
+                        headers={"Retry-After": "1"},
+                    )
+            cs = ChatSession(
+                sid or f"req-{uuid.uuid4().hex[:12]}",
+                self.engine,
+                self.fmt,
+                compaction or "stream",
+                evictor,
+                strategy,
+                kind,
             )
+            if sid is not None:
+                self.sessions[sid] = cs
         else:
             if cs.busy:
                 raise ApiError(
                     409,
                     f"session {sid!r} is serving another request; send a session's requests one "
-                    "at a time (or fork it by using another session_id)",
+                    "at a time (or use another session_id)",
                     "session_id",
                 )
-            for name, want, have in (
-                ("compaction", compaction, cs.compaction),
-                ("evictor", evictor, cs.evictor),
-                ("kind", kind, cs.kind),
-            ):
-                if name != "kind" and want is None:
-                    continue
-                if want != have:
+            have = {"compaction": cs.compaction, "evictor": cs.evictor, "strategy": cs.strategy_cfg}
+            if kind != cs.kind:
+                raise ApiError(
+                    400,
+                    f"session {sid!r} continues {cs.kind} requests; use a new session_id for {kind} requests",
+                    "session_id",
+                )
+            for name, want in asked.items():
+                if want is not None and want != have[name]:
                     raise ApiError(
                         400,
-                        f"session {sid!r} was created with {name} {have!r}, this request asks "
-                        f"for {want!r}; a session keeps its settings (use a new session_id)",
-                        name if name != "kind" else "session_id",
+                        f"session {sid!r} was created with {name} {have[name]!r}, this request "
+                        f"asks for {want!r}; a session keeps its settings (use a new session_id)",
+                        name,
                     )
         cs.busy = True
         return cs
