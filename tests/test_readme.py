@@ -5,6 +5,8 @@ import re
 import shlex
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,40 @@ def workdir(tmp_path_factory):
     return d
 
 
+@contextmanager
+def server_if_asked(snippet: str, workdir: Path):
+    """A snippet that talks to `compactrl serve` at 127.0.0.1:8000 gets one (the tiny model)."""
+    if "127.0.0.1:8000" not in snippet:
+        yield
+        return
+    import threading
+
+    import uvicorn
+
+    from compactrl.engine import Engine
+    from compactrl.serve.app import Server, create_app
+
+    server = Server(Engine.from_pretrained(workdir / "runs" / "tiny"), model_name="tiny")
+    srv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=8000, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        assert thread.is_alive(), "the README's server did not start (is port 8000 taken?)"
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_each_python_snippet_runs_on_its_own(workdir, index):
     code = "import torch; torch.set_num_threads(1)\n" + SNIPPETS[index]
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300
-    )
+    with server_if_asked(SNIPPETS[index], workdir):
+        run = subprocess.run(
+            [sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300
+        )
     assert run.returncode == 0, f"README snippet {index} failed:\n{SNIPPETS[index]}\n{run.stderr[-2000:]}"
 
 
