@@ -319,7 +319,8 @@ def serve_cmd(
     try:
         import uvicorn
 
-        from compactrl.serve.app import GracefulServer, Server, create_app
+        from compactrl.serve.app import create_app
+        from compactrl.serve.server import GracefulServer, Server
     except ImportError as e:
         fail(f"{e.name} is missing: pip install 'compactrl[serve]'")
     if not (model_dir / "config.json").exists():

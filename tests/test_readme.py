@@ -41,7 +41,8 @@ def server_if_asked(snippet: str, workdir: Path):
     import uvicorn
 
     from compactrl.engine import Engine
-    from compactrl.serve.app import Server, create_app
+    from compactrl.serve.app import create_app
+    from compactrl.serve.server import Server
 
     server = Server(Engine.from_pretrained(workdir / "runs" / "tiny"), model_name="tiny")
     srv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=8000, log_level="warning"))

@@ -18,7 +18,8 @@ from compactrl.agent.chat import ChatFormat
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
-from compactrl.serve.app import Server, create_app
+from compactrl.serve.app import create_app
+from compactrl.serve.server import Server
 from compactrl.trace import Trace
 
 KEY = "sk-test"

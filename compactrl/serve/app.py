@@ -14,34 +14,18 @@ received it, will not send back, so its next request evicts it).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
-import signal
 import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-import anyio
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from compactrl.agent.chat import ChatFormat, ChatTemplateError
-from compactrl.engine import Engine, SamplingParams, SessionError
-from compactrl.engine.session import Generation
+from compactrl.agent.chat import ChatTemplateError
+from compactrl.engine import SessionError
 from compactrl.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -50,195 +34,9 @@ from compactrl.serve.protocol import (
     LoadWeightsRequest,
     TokenizeRequest,
 )
-from compactrl.serve.session import ChatSession, Usage
-from compactrl.serve.worker import EngineWorker
-
-FINISH = {"stop": "stop", "length": "length", "position_limit": "length", "abort": "abort", "error": "error"}
-
-
-class Metrics:
-    """Prometheus metrics of one server (its own registry, so two servers in a process stay apart)."""
-
-    def __init__(self, worker: EngineWorker):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter(
-            "compactrl_requests", "HTTP requests answered", ["route", "status"], registry=r
-        )
-        self.seconds = Histogram(
-            "compactrl_request_seconds", "time to answer (streams: to the last byte)", ["route"], registry=r
-        )
-        self.tokens = Counter(
-            "compactrl_tokens",
-            "tokens by kind: prompt (live context), cached (KV reused), prefilled, evicted, generated",
-            ["kind"],
-            registry=r,
-        )
-        eng = worker.engine
-        gauges = {
-            "compactrl_sessions_open": ("sessions open", lambda: len(worker.sessions)),
-            "compactrl_requests_in_flight": ("requests in flight", lambda: worker.in_flight),
-            "compactrl_kv_tokens_used": ("KV pool tokens in use", eng.kv_tokens_used),
-            "compactrl_kv_pool_tokens": ("KV pool size in tokens", lambda: eng.config.kv_pool_tokens),
-            "compactrl_engine_sessions": (
-                "sessions the engine holds (open ones only)",
-                lambda: len(eng.sessions),
-            ),
-        }
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(fn)
-
-    def count(self, usage: Usage) -> None:
-        for kind, n in (
-            ("prompt", usage.prompt_tokens),
-            ("cached", usage.cached_tokens),
-            ("prefilled", usage.prefilled_tokens),
-            ("evicted", usage.evicted_tokens),
-            ("generated", usage.completion_tokens),
-        ):
-            self.tokens.labels(kind).inc(n)
-
-
-@dataclass
-class Job:
-    """One completion request on the engine's thread: its session, its choices' generations (choice
-    0 continues the session, the others are forks closed after), its usage."""
-
-    cs: ChatSession
-    usage: Usage
-    gens: list[Generation] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-
-
-class Server:
-    """The server's state: the engine's worker, the chat format, names and limits."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        model_name: str,
-        api_key: str | None = None,
-        max_sessions: int = 1024,
-        session_ttl: float = 600.0,
-        max_queue: int = 256,
-        chat_rewrites: str = "error",
-    ):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
-        self.fmt = ChatFormat.from_tokenizer(engine.tokenizer, chat_rewrites)
-        self.worker = EngineWorker(
-            engine, self.fmt, max_sessions=max_sessions, session_ttl=session_ttl, max_queue=max_queue
-        )
-        self.metrics = Metrics(self.worker)
-        self.created = int(time.time())
-
-    # ---- requests to engine work --------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ApiError(
-                404,
-                f"model {name!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
-
-    def params(self, req, max_tokens: int, top_logprobs: int, seed_offset: int = 0) -> SamplingParams:
-        stop_ids = [] if req.ignore_eos else [*self.fmt.stop_ids, *(req.stop_token_ids or [])]
-        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise ApiError(
-                400,
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
-                "stop_token_ids",
-            )
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(req.top_k or 0, 0),
-            seed=None if req.seed is None else req.seed + seed_offset,
-            stop=req.stops(),
-            stop_token_ids=stop_ids,
-            ignore_eos=req.ignore_eos,
-            top_logprobs=top_logprobs,
-        )
-
-    def text(self, cs: ChatSession, gen: Generation) -> str:
-        """What the client is sent: the content without its stop token, cut before a stop string."""
-        text = self.fmt.text(gen.tokens)
-        cut = [i for s in gen.params.stop if (i := text.find(s)) >= 0]
-        return text[: min(cut)] if cut else text
-
-    def start(self, job: Job, futures, params: list[SamplingParams]) -> None:
-        """Choice 0 on the session, the others on forks of it (the prompt shared, not recomputed)."""
-        cs = job.cs
-        streams = [cs.stream] + [cs.stream.fork() for _ in params[1:]]
-        for stream, p, fut in zip(streams, params, futures, strict=True):
-            gen = stream.generate(p, role="assistant", turn=cs.turn)
-            gen.future = fut
-            job.gens.append(gen)
-
-    def end(self, job: Job, broken: bool = False) -> None:
-        """Engine thread: stop what still runs (a disconnected client), record choice 0's answer in
-        the session, close the forks, release the session."""
-        for g in job.gens:
-            g.session.cancel()
-        job.texts = [self.text(job.cs, g) for g in job.gens]
-        try:
-            if job.gens and job.cs.kind == "chat" and not broken:
-                job.cs.finish(job.gens[0], job.texts[0])
-            for g in job.gens[1:]:
-                g.session.close()
-        finally:
-            self.worker.release(job.cs, broken=broken or any(g.finish_reason == "error" for g in job.gens))
-        job.usage.completion_tokens = sum(len(g.tokens) for g in job.gens)
-
-    async def run(self, begin, n: int) -> tuple[Job, list]:
-        """Hand ``begin(futures)`` to the engine's thread; returns the job and its choices' futures."""
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(n)]
-        job = await self.worker.call(lambda: begin(futures))
-        return job, futures
-
-    async def finish(self, job: Job, broken: bool = False) -> None:
-        with anyio.CancelScope(shield=True):  # also when the client has gone: the session must settle
-            await self.worker.call(lambda: self.end(job, broken))
-            self.metrics.count(job.usage)
-
-
-def _token_str(server: Server, tid: int, as_ids: bool) -> str:
-    return f"token_id:{tid}" if as_ids else server.engine.tokenizer.token_text(tid)
-
-
-def _chat_logprobs(server: Server, gen: Generation, lo: int, hi: int, as_ids: bool) -> dict:
-    def entry(tid: int, lp: float) -> dict:
-        s = _token_str(server, tid, as_ids)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-    content = []
-    for i in range(lo, hi):
-        e = entry(gen.tokens[i], gen.logprobs[i])
-        e["top_logprobs"] = [entry(t, v) for t, v in gen.top_logprobs[i]] if gen.top_logprobs else []
-        content.append(e)
-    return {"content": content, "refusal": None}
-
-
-def _text_logprobs(server: Server, gen: Generation, lo: int, hi: int, as_ids: bool, offset: int) -> dict:
-    toks = [_token_str(server, t, as_ids) for t in gen.tokens[lo:hi]]
-    offsets, at = [], offset
-    for t in toks:
-        offsets.append(at)
-        at += len(t)
-    top = (
-        [{_token_str(server, t, as_ids): v for t, v in gen.top_logprobs[i]} for i in range(lo, hi)]
-        if gen.top_logprobs
-        else None
-    )
-    return {
-        "tokens": toks,
-        "token_logprobs": gen.logprobs[lo:hi],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+from compactrl.serve.responses import chat_body, chat_stream, completion_body, raise_if_failed
+from compactrl.serve.server import Job, Server, read_weights
+from compactrl.serve.session import Usage
 
 
 def create_app(server: Server) -> FastAPI:
@@ -371,7 +169,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/load_weights")
     async def load_weights(req: LoadWeightsRequest):
-        state = _read_weights(Path(req.path))
+        state = read_weights(Path(req.path))
 
         def load():
             n = server.engine.update_weights(state)
@@ -413,7 +211,7 @@ def create_app(server: Server) -> FastAPI:
 
             job, futures = await server.run(begin, req.n)
             if req.stream:
-                events = _chat_stream(server, req, job)
+                events = chat_stream(server, req, job)
                 first = await events.__anext__()  # started: its cleanup runs even if the client never reads
 
                 async def body():
@@ -429,8 +227,8 @@ def create_app(server: Server) -> FastAPI:
                     await f
             finally:
                 await server.finish(job)
-            _raise_if_failed(job)
-            return _chat_body(server, req, job)
+            raise_if_failed(job)
+            return chat_body(server, req, job)
         finally:
             if not req.stream:
                 worker.done()
@@ -491,234 +289,10 @@ def create_app(server: Server) -> FastAPI:
                         await f
                 finally:
                     await server.finish(job)
-                _raise_if_failed(job)
+                raise_if_failed(job)
                 jobs.append((job, futures))
             finally:
                 worker.done()
-        return _completion_body(server, req, [j for j, _ in jobs], ids)
+        return completion_body(server, req, [j for j, _ in jobs], ids)
 
     return app
-
-
-def _raise_if_failed(job: Job) -> None:
-    failed = [g for g in job.gens if g.finish_reason == "error"]
-    if failed:
-        raise ApiError(
-            503,
-            f"the engine failed while generating ({failed[0].error}); the session was closed, "
-            "retry with a new one",
-            code="engine_error",
-        )
-
-
-def _choice_tokens(server: Server, req, gen: Generation) -> dict:
-    return {"token_ids": list(gen.tokens)} if req.return_token_ids else {}
-
-
-def _chat_body(server: Server, req: ChatCompletionRequest, job: Job) -> dict:
-    choices = []
-    for i, (g, text) in enumerate(zip(job.gens, job.texts, strict=True)):
-        lp = (
-            _chat_logprobs(server, g, 0, len(g.tokens), req.return_tokens_as_token_ids)
-            if req.logprobs
-            else None
-        )
-        choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": lp,
-                "finish_reason": FINISH[g.finish_reason],
-                **_choice_tokens(server, req, g),
-            }
-        )
-    body = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": server.model_name,
-        "choices": choices,
-        "usage": job.usage.body(),
-        "session_id": job.cs.id if job.cs.id in server.worker.sessions else None,
-    }
-    if req.return_token_ids:
-        body["prompt_token_ids"] = _live_tokens(job.cs, job.gens[0])
-    return body
-
-
-def _live_tokens(cs: ChatSession, gen: Generation) -> list[int]:
-    """The tokens the completion was conditioned on: the stream's live tokens before it (positions
-    have gaps where messages were removed; GET /v1/sessions/{id}/trace has the whole stream)."""
-    s = cs.stream
-    return [t for t, e in zip(s.tokens[: gen.start], s.evict_at[: gen.start], strict=True) if e is None]
-
-
-def _completion_body(
-    server: Server, req: CompletionRequest, jobs: list[Job], prompts: list[list[int]]
-) -> dict:
-    choices = []
-    for k, job in enumerate(jobs):
-        for i, (g, text) in enumerate(zip(job.gens, job.texts, strict=True)):
-            lp = (
-                _text_logprobs(server, g, 0, len(g.tokens), req.return_tokens_as_token_ids, 0)
-                if req.logprobs is not None
-                else None
-            )
-            choice = {
-                "index": k * req.n + i,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": FINISH[g.finish_reason],
-                **_choice_tokens(server, req, g),
-            }
-            if req.return_token_ids:
-                choice["prompt_token_ids"] = prompts[k]
-            choices.append(choice)
-    usage = Usage()
-    for job in jobs:
-        for name in (
-            "prompt_tokens",
-            "cached_tokens",
-            "prefilled_tokens",
-            "evicted_tokens",
-            "completion_tokens",
-        ):
-            setattr(usage, name, getattr(usage, name) + getattr(job.usage, name))
-    sid = jobs[0].cs.id if jobs and jobs[0].cs.id in server.worker.sessions else None
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": server.model_name,
-        "choices": choices,
-        "usage": usage.body(),
-        "session_id": sid,
-    }
-
-
-async def _chat_stream(server: Server, req: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:
-    """Server-sent events: a role delta, content deltas as tokens arrive (held back while they could
-    still turn into a stop string, or end in a partial UTF-8 character), the finish, the usage."""
-    worker = server.worker
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    hold = max((len(s) for s in req.stops()), default=1) - 1
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": server.model_name,
-            "choices": choices,
-        }
-        if usage is not None or (req.stream_options and req.stream_options.include_usage):
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
-    events = [worker.watch(g) for g in job.gens]
-    sent_tokens = [0] * len(job.gens)
-    sent_text = [""] * len(job.gens)
-    finished = [False] * len(job.gens)
-    broken = False
-    try:
-        yield chunk(
-            [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(len(job.gens))
-            ]
-        )
-        while not all(finished):
-            for i, g in enumerate(job.gens):
-                if finished[i]:
-                    continue
-                done = g.done
-                n = len(g.tokens)
-                text = server.text(job.cs, g) if done else server.fmt.text(g.tokens[:n])
-                if not done:
-                    text = text[: len(text) - hold] if hold else text
-                    text = text.rstrip("\ufffd")
-                delta = text[len(sent_text[i]) :] if text.startswith(sent_text[i]) else ""
-                new_tokens = n > sent_tokens[i]
-                if delta or (new_tokens and req.logprobs) or done:
-                    c = {
-                        "index": i,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": None,
-                        "finish_reason": FINISH[g.finish_reason] if done else None,
-                    }
-                    if req.logprobs and new_tokens:
-                        c["logprobs"] = _chat_logprobs(
-                            server, g, sent_tokens[i], n, req.return_tokens_as_token_ids
-                        )
-                    if req.return_token_ids and new_tokens:
-                        c["token_ids"] = list(g.tokens[sent_tokens[i] : n])
-                    sent_text[i] += delta
-                    sent_tokens[i] = n
-                    finished[i] = done
-                    if done and g.finish_reason == "error":
-                        broken = True
-                    yield chunk([c])
-            if not all(finished):
-                waits = [events[i] for i in range(len(job.gens)) if not finished[i]]
-                await waits[0].wait()
-                for ev in events:
-                    ev.clear()
-        if broken:
-            err = ApiError(
-                503, "the engine failed while generating; the session was closed, retry with a new one"
-            )
-            yield f"data: {json.dumps(err.body())}\n\n"
-    finally:
-        for g in job.gens:
-            worker.unwatch(g)
-        await server.finish(job, broken)
-        worker.done()
-    if req.stream_options and req.stream_options.include_usage:
-        yield chunk([], job.usage.body())
-    yield "data: [DONE]\n\n"
-
-
-def _read_weights(path: Path) -> dict:
-    """A model folder's weights (or a training checkpoint's or run folder's newest model)."""
-    from safetensors.torch import load_file
-
-    from compactrl.models.loading import checkpoint_files
-    from compactrl.rl.checkpoint import CheckpointError, resolve_checkpoint
-
-    if not path.exists():
-        raise ApiError(
-            400, f"{path} does not exist; give a model folder (model.safetensors) or a checkpoint", "path"
-        )
-    if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
-        try:
-            path = resolve_checkpoint(path) / "model"
-        except CheckpointError as e:
-            raise ApiError(400, f"{e}; or give a model folder (model.safetensors)", "path") from None
-    state = {}
-    for f in checkpoint_files(path):
-        state.update(load_file(f))
-    return state
-
-
-class GracefulServer(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM and Ctrl-C end it with exit status 0 once in-flight
-    requests are answered (uvicorn re-raises the signal after its graceful shutdown); a second
-    signal stops at once."""
-
-    @contextmanager
-    def capture_signals(self):
-        def stop(sig, frame):
-            self.force_exit = self.should_exit
-            self.should_exit = True
-
-        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)

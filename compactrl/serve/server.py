@@ -1,0 +1,213 @@
+"""The server object: the engine's worker, the chat format, the metrics, and what a request asks
+of the engine's thread (start its choices, settle its session). The HTTP routes are in
+:mod:`compactrl.serve.app`; a training loop can hold a ``Server`` around its own engine."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import uvicorn
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from compactrl.agent.chat import ChatFormat
+from compactrl.engine import Engine, SamplingParams
+from compactrl.engine.session import Generation
+from compactrl.serve.protocol import ApiError
+from compactrl.serve.session import ChatSession, Usage
+from compactrl.serve.worker import EngineWorker
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry, so two servers in a process stay apart)."""
+
+    def __init__(self, worker: EngineWorker):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "compactrl_requests", "HTTP requests answered", ["route", "status"], registry=r
+        )
+        self.seconds = Histogram(
+            "compactrl_request_seconds", "time to answer (streams: to the last byte)", ["route"], registry=r
+        )
+        self.tokens = Counter(
+            "compactrl_tokens",
+            "tokens by kind: prompt (live context), cached (KV reused), prefilled, evicted, generated",
+            ["kind"],
+            registry=r,
+        )
+        eng = worker.engine
+        gauges = {
+            "compactrl_sessions_open": ("sessions open", lambda: len(worker.sessions)),
+            "compactrl_requests_in_flight": ("requests in flight", lambda: worker.in_flight),
+            "compactrl_kv_tokens_used": ("KV pool tokens in use", eng.kv_tokens_used),
+            "compactrl_kv_pool_tokens": ("KV pool size in tokens", lambda: eng.config.kv_pool_tokens),
+            "compactrl_engine_sessions": (
+                "sessions the engine holds (open ones only)",
+                lambda: len(eng.sessions),
+            ),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(fn)
+
+    def count(self, usage: Usage) -> None:
+        for kind, n in (
+            ("prompt", usage.prompt_tokens),
+            ("cached", usage.cached_tokens),
+            ("prefilled", usage.prefilled_tokens),
+            ("evicted", usage.evicted_tokens),
+            ("generated", usage.completion_tokens),
+        ):
+            self.tokens.labels(kind).inc(n)
+
+
+@dataclass
+class Job:
+    """One completion request on the engine's thread: its session, its choices' generations (choice
+    0 continues the session, the others are forks closed after), its usage."""
+
+    cs: ChatSession
+    usage: Usage
+    gens: list[Generation] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+
+class Server:
+    """The server's state: the engine's worker, the chat format, names and limits."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model_name: str,
+        api_key: str | None = None,
+        max_sessions: int = 1024,
+        session_ttl: float = 600.0,
+        max_queue: int = 256,
+        chat_rewrites: str = "error",
+    ):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.fmt = ChatFormat.from_tokenizer(engine.tokenizer, chat_rewrites)
+        self.worker = EngineWorker(
+            engine, self.fmt, max_sessions=max_sessions, session_ttl=session_ttl, max_queue=max_queue
+        )
+        self.metrics = Metrics(self.worker)
+        self.created = int(time.time())
+
+    # ---- requests to engine work --------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+
+    def params(self, req, max_tokens: int, top_logprobs: int, seed_offset: int = 0) -> SamplingParams:
+        stop_ids = [] if req.ignore_eos else [*self.fmt.stop_ids, *(req.stop_token_ids or [])]
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise ApiError(
+                400,
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})",
+                "stop_token_ids",
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(req.top_k or 0, 0),
+            seed=None if req.seed is None else req.seed + seed_offset,
+            stop=req.stops(),
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            top_logprobs=top_logprobs,
+        )
+
+    def text(self, cs: ChatSession, gen: Generation) -> str:
+        """What the client is sent: the content without its stop token, cut before a stop string."""
+        text = self.fmt.text(gen.tokens)
+        cut = [i for s in gen.params.stop if (i := text.find(s)) >= 0]
+        return text[: min(cut)] if cut else text
+
+    def start(self, job: Job, futures, params: list[SamplingParams]) -> None:
+        """Choice 0 on the session, the others on forks of it (the prompt shared, not recomputed)."""
+        cs = job.cs
+        streams = [cs.stream] + [cs.stream.fork() for _ in params[1:]]
+        for stream, p, fut in zip(streams, params, futures, strict=True):
+            gen = stream.generate(p, role="assistant", turn=cs.turn)
+            gen.future = fut
+            job.gens.append(gen)
+
+    def end(self, job: Job, broken: bool = False) -> None:
+        """Engine thread: stop what still runs (a disconnected client), record choice 0's answer in
+        the session, close the forks, release the session."""
+        for g in job.gens:
+            g.session.cancel()
+        job.texts = [self.text(job.cs, g) for g in job.gens]
+        try:
+            if job.gens and job.cs.kind == "chat" and not broken:
+                job.cs.finish(job.gens[0], job.texts[0])
+            for g in job.gens[1:]:
+                g.session.close()
+        finally:
+            self.worker.release(job.cs, broken=broken or any(g.finish_reason == "error" for g in job.gens))
+        job.usage.completion_tokens = sum(len(g.tokens) for g in job.gens)
+
+    async def run(self, begin, n: int) -> tuple[Job, list]:
+        """Hand ``begin(futures)`` to the engine's thread; returns the job and its choices' futures."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(n)]
+        job = await self.worker.call(lambda: begin(futures))
+        return job, futures
+
+    async def finish(self, job: Job, broken: bool = False) -> None:
+        with anyio.CancelScope(shield=True):  # also when the client has gone: the session must settle
+            await self.worker.call(lambda: self.end(job, broken))
+            self.metrics.count(job.usage)
+
+
+def read_weights(path: Path) -> dict:
+    """A model folder's weights (or a training checkpoint's or run folder's newest model)."""
+    from safetensors.torch import load_file
+
+    from compactrl.models.loading import checkpoint_files
+    from compactrl.rl.checkpoint import CheckpointError, resolve_checkpoint
+
+    if not path.exists():
+        raise ApiError(
+            400, f"{path} does not exist; give a model folder (model.safetensors) or a checkpoint", "path"
+        )
+    if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
+        try:
+            path = resolve_checkpoint(path) / "model"
+        except CheckpointError as e:
+            raise ApiError(400, f"{e}; or give a model folder (model.safetensors)", "path") from None
+    state = {}
+    for f in checkpoint_files(path):
+        state.update(load_file(f))
+    return state
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM and Ctrl-C end it with exit status 0 once in-flight
+    requests are answered (uvicorn re-raises the signal after its graceful shutdown); a second
+    signal stops at once."""
+
+    @contextmanager
+    def capture_signals(self):
+        def stop(sig, frame):
+            self.force_exit = self.should_exit
+            self.should_exit = True
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
