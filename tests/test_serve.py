@@ -688,3 +688,21 @@ def test_session_settings_a_session_cannot_run_are_refused(served, route, body, 
     with http(url) as h:
         r = h.post(route, json=base | body | {"session_id": f"refused-{len(says)}"})
     assert r.status_code in (400, 422) and says in r.json()["error"]["message"], r.text
+
+
+def test_idle_sessions_expire_and_a_full_server_refuses_new_ones(model_dir):
+    with serving(model_dir, max_sessions=2, session_ttl=0.5) as (server, url), http(url) as h:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        for sid in ("s1", "s2"):
+            assert h.post("/v1/chat/completions", json=body | {"session_id": sid}).status_code == 200
+        deadline = time.monotonic() + 10
+        while server.worker.sessions and time.monotonic() < deadline:  # idle past the TTL: closed
+            time.sleep(0.1)
+        assert not server.worker.sessions and not server.engine.sessions
+        assert h.get("/v1/sessions/s1/trace").status_code == 404
+    with serving(model_dir, max_sessions=1, session_ttl=600) as (server, url), http(url) as h:
+        assert h.post("/v1/chat/completions", json=body | {"session_id": "a"}).status_code == 200
+        r = h.post("/v1/chat/completions", json=body | {"session_id": "b"})
+        assert r.status_code == 429 and "max-sessions" in r.json()["error"]["message"]
+        assert h.delete("/v1/sessions/a").status_code == 200
+        assert h.post("/v1/chat/completions", json=body | {"session_id": "b"}).status_code == 200
