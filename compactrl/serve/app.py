@@ -34,9 +34,8 @@ from compactrl.serve.protocol import (
     LoadWeightsRequest,
     TokenizeRequest,
 )
-from compactrl.serve.responses import chat_body, chat_stream, completion_body, raise_if_failed
-from compactrl.serve.server import Job, Server, read_weights
-from compactrl.serve.session import Usage
+from compactrl.serve.responses import chat_body, chat_stream, completion_body
+from compactrl.serve.server import Server, read_weights
 
 
 def create_app(server: Server) -> FastAPI:
@@ -197,19 +196,9 @@ def create_app(server: Server) -> FastAPI:
         params = [server.params(req, limit, top, i) for i in range(req.n)]
         worker.admit()
         try:
-
-            def begin(futures) -> Job:
-                cs = worker.session(sid, "chat", req.compaction, req.evictor, req.strategy)
-                job = Job(cs, Usage())
-                try:
-                    cs.apply(cs.plan(messages, limit), job.usage)
-                    server.start(job, futures, params)
-                except BaseException:
-                    worker.release(cs)
-                    raise
-                return job
-
-            job, futures = await server.run(begin, req.n)
+            job, futures = await server.submit(
+                sid, "chat", req, lambda cs, usage: cs.apply(cs.plan(messages, limit), usage), params
+            )
             if req.stream:
                 events = chat_stream(server, req, job)
                 first = await events.__anext__()  # started: its cleanup runs even if the client never reads
@@ -222,13 +211,7 @@ def create_app(server: Server) -> FastAPI:
                 return StreamingResponse(
                     body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
                 )
-            try:
-                for f in futures:
-                    await f
-            finally:
-                await server.finish(job)
-            raise_if_failed(job)
-            return chat_body(server, req, job)
+            return chat_body(server, req, await server.complete(job, futures))
         finally:
             if not req.stream:
                 worker.done()
@@ -267,32 +250,20 @@ def create_app(server: Server) -> FastAPI:
             ids.append(t)
         top = req.logprobs or 0
         params = [server.params(req, req.max_tokens, top, i) for i in range(req.n)]
-        jobs: list[tuple[Job, list]] = []
+        jobs = []
         for prompt in ids:
             worker.admit()
             try:
-
-                def begin(futures, prompt=prompt) -> Job:
-                    cs = worker.session(sid, "completion", req.compaction, req.evictor, req.strategy)
-                    job = Job(cs, Usage())
-                    try:
-                        cs.sync_tokens(prompt, req.max_tokens, job.usage)
-                        server.start(job, futures, params)
-                    except BaseException:
-                        worker.release(cs)
-                        raise
-                    return job
-
-                job, futures = await server.run(begin, req.n)
-                try:
-                    for f in futures:
-                        await f
-                finally:
-                    await server.finish(job)
-                raise_if_failed(job)
-                jobs.append((job, futures))
+                job, futures = await server.submit(
+                    sid,
+                    "completion",
+                    req,
+                    lambda cs, usage, prompt=prompt: cs.sync_tokens(prompt, req.max_tokens, usage),
+                    params,
+                )
+                jobs.append(await server.complete(job, futures))
             finally:
                 worker.done()
-        return completion_body(server, req, [j for j, _ in jobs], ids)
+        return completion_body(server, req, jobs, ids)
 
     return app

@@ -53,17 +53,6 @@ def _text_logprobs(server: Server, gen: Generation, lo: int, hi: int, as_ids: bo
     }
 
 
-def raise_if_failed(job: Job) -> None:
-    failed = [g for g in job.gens if g.finish_reason == "error"]
-    if failed:
-        raise ApiError(
-            503,
-            f"the engine failed while generating ({failed[0].error}); the session was closed, "
-            "retry with a new one",
-            code="engine_error",
-        )
-
-
 def _choice_tokens(server: Server, req, gen: Generation) -> dict:
     return {"token_ids": list(gen.tokens)} if req.return_token_ids else {}
 

@@ -159,12 +159,42 @@ class Server:
             self.worker.release(job.cs, broken=broken or any(g.finish_reason == "error" for g in job.gens))
         job.usage.completion_tokens = sum(len(g.tokens) for g in job.gens)
 
-    async def run(self, begin, n: int) -> tuple[Job, list]:
-        """Hand ``begin(futures)`` to the engine's thread; returns the job and its choices' futures."""
+    async def submit(self, sid: str | None, kind: str, req, prepare, params: list[SamplingParams]):
+        """On the engine's thread: the request's session (created, or continued), ``prepare(session,
+        usage)`` (feed its prompt), its choices started; the session is released if any of it fails.
+        Returns the job and its choices' futures."""
+
+        def begin(futures) -> Job:
+            cs = self.worker.session(sid, kind, req.compaction, req.evictor, req.strategy)
+            job = Job(cs, Usage())
+            try:
+                prepare(cs, job.usage)
+                self.start(job, futures, params)
+            except BaseException:
+                self.worker.release(cs)
+                raise
+            return job
+
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in range(n)]
-        job = await self.worker.call(lambda: begin(futures))
-        return job, futures
+        futures = [loop.create_future() for _ in params]
+        return await self.worker.call(lambda: begin(futures)), futures
+
+    async def complete(self, job: Job, futures: list) -> Job:
+        """Wait for every choice, settle the session; a failed engine step is a 503."""
+        try:
+            for f in futures:
+                await f
+        finally:
+            await self.finish(job)
+        failed = [g for g in job.gens if g.finish_reason == "error"]
+        if failed:
+            raise ApiError(
+                503,
+                f"the engine failed while generating ({failed[0].error}); the session was "
+                "closed, retry with a new one",
+                code="engine_error",
+            )
+        return job
 
     async def finish(self, job: Job, broken: bool = False) -> None:
         with anyio.CancelScope(shield=True):  # also when the client has gone: the session must settle

@@ -181,14 +181,7 @@ class EngineWorker:
             cs.close()
 
     def delete(self, sid: str) -> None:
-        cs = self.sessions.get(sid)
-        if cs is None:
-            raise ApiError(
-                404,
-                f"no session {sid!r} (never created, deleted, or expired after the server's --session-ttl)",
-                "session_id",
-                "session_not_found",
-            )
+        cs = self.get(sid)
         if cs.busy:
             raise ApiError(409, f"session {sid!r} is serving a request; delete it once that is answered")
         del self.sessions[sid]
