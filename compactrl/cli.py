@@ -1045,8 +1045,8 @@ def bench_serve(
     ),
     agents: Annotated[int, typer.Option(help="Agents at once.")] = 16,
     turns: Annotated[int, typer.Option(help="Turns per agent.")] = 12,
-    window: Annotated[int, typer.Option(help="Tool outputs each agent keeps (older ones are dropped).")] = 2,
-    page_words: Annotated[int, typer.Option(help="Words per tool output.")] = 150,
+    window: Annotated[int, typer.Option(help="Tool outputs each agent keeps (older ones are dropped).")] = 3,
+    page_words: Annotated[int, typer.Option(help="Words per tool output.")] = 400,
     max_tokens: Annotated[int, typer.Option(help="Tokens per answer (ignore_eos).")] = 32,
     threads: Annotated[int, typer.Option(help="torch threads of every server.")] = 1,
     vllm_python: Annotated[

@@ -706,3 +706,28 @@ def test_idle_sessions_expire_and_a_full_server_refuses_new_ones(model_dir):
         assert r.status_code == 429 and "max-sessions" in r.json()["error"]["message"]
         assert h.delete("/v1/sessions/a").status_code == 200
         assert h.post("/v1/chat/completions", json=body | {"session_id": "b"}).status_code == 200
+
+
+def test_a_trainer_in_the_same_process_hands_the_server_new_weights(served, model_dir):
+    """A training loop holds the server around its engine: weights staged from its thread load between
+    engine steps, and each answer says which weights version sampled it."""
+    server, url = served
+    c = client(url)
+    msgs = [{"role": "user", "content": "Version?"}]
+    first = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY)
+    v0 = first.weights_version
+    params = dict(server.engine.model.named_parameters())
+    torch.manual_seed(1)
+    new = {k: (p.detach() + 0.05 * torch.randn_like(p)) for k, p in params.items() if p.ndim == 2}
+    old = {k: params[k].detach().clone() for k in new}
+    trainer = threading.Thread(target=server.engine.stage_weights, args=(new, v0 + 7))
+    trainer.start()
+    trainer.join()
+    after = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY)
+    assert (
+        after.weights_version == after.weights_version_first == v0 + 7 and first.weights_version_first == v0
+    )
+    assert after.choices[0].message.content != first.choices[0].message.content
+    server.engine.stage_weights(old, v0 + 8)  # the old weights back, for the tests that follow
+    back = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY)
+    assert back.choices[0].message.content == first.choices[0].message.content

@@ -82,6 +82,7 @@ def chat_body(server: Server, req: ChatCompletionRequest, job: Job) -> dict:
         "choices": choices,
         "usage": job.usage.body(),
         "session_id": job.cs.id if job.cs.id in server.worker.sessions else None,
+        **_versions(job),
     }
     if req.return_token_ids:
         body["prompt_token_ids"] = _live_tokens(job.cs, job.gens[0])
@@ -135,7 +136,16 @@ def completion_body(
         "choices": choices,
         "usage": usage.body(),
         "session_id": sid,
+        **_versions(*jobs),
     }
+
+
+def _versions(*jobs: Job) -> dict:
+    """The weights versions the answers were sampled under (``POST /v1/load_weights`` or a trainer's
+    ``Engine.stage_weights`` raise it between engine steps): the first and the last, for off-policy
+    corrections."""
+    versions = [v for job in jobs for v in job.weights]
+    return {"weights_version": max(versions), "weights_version_first": min(versions)}
 
 
 async def chat_stream(server: Server, req: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:

@@ -74,6 +74,7 @@ class Job:
     usage: Usage
     gens: list[Generation] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    weights: list[int] = field(default_factory=list)  # weights versions when sampling began and ended
 
 
 class Server:
@@ -138,6 +139,7 @@ class Server:
     def start(self, job: Job, futures, params: list[SamplingParams]) -> None:
         """Choice 0 on the session, the others on forks of it (the prompt shared, not recomputed)."""
         cs = job.cs
+        job.weights = [self.engine.weights_version]
         streams = [cs.stream] + [cs.stream.fork() for _ in params[1:]]
         for stream, p, fut in zip(streams, params, futures, strict=True):
             gen = stream.generate(p, role="assistant", turn=cs.turn)
@@ -147,6 +149,7 @@ class Server:
     def end(self, job: Job, broken: bool = False) -> None:
         """Engine thread: stop what still runs (a disconnected client), record choice 0's answer in
         the session, close the forks, release the session."""
+        job.weights.append(self.engine.weights_version)
         for g in job.gens:
             g.session.cancel()
         job.texts = [self.text(job.cs, g) for g in job.gens]

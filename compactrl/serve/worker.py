@@ -218,6 +218,7 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             while not self._stop:
+                self.engine.load_staged()  # a trainer's new weights, before the requests that follow them
                 self._drain()
                 if self.engine.active:
                     try:
