@@ -441,11 +441,13 @@ def test_metrics_and_load_weights(served, model_dir, tmp_path):
         h.post("/v1/load_weights", json={"path": str(model_dir), "keep_kv": False})
         bad = h.post("/v1/load_weights", json={"path": str(tmp_path / "none")})
         assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+        assert h.get("/no/such/route/123").status_code == 404
         text = h.get("/metrics").text
     again = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY).choices[0]
     assert again.message.content == before.message.content
     assert 'compactrl_tokens_total{kind="evicted"}' in text
     assert "compactrl_kv_tokens_used" in text
+    assert 'route="other"' in text and "/no/such/route" not in text  # labels per route, not per URL
 
 
 def test_many_concurrent_sessions_with_random_removals_stay_valid_and_leave_nothing(model_dir):

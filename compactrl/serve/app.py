@@ -37,6 +37,9 @@ from compactrl.serve.protocol import (
 from compactrl.serve.responses import chat_body, chat_stream, completion_body
 from compactrl.serve.server import Server, read_weights
 
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+          "/metrics", "/v1/load_weights")  # fmt: skip
+
 
 def create_app(server: Server) -> FastAPI:
     worker = server.worker
@@ -54,8 +57,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        route = request.scope.get("path", "")
-        route = "/v1/sessions" if route.startswith("/v1/sessions/") else route
+        path = request.url.path  # a metrics label: one per route, not per URL (the label set stays small)
+        route = "/v1/sessions" if path.startswith("/v1/sessions/") else path if path in ROUTES else "other"
         t0 = time.perf_counter()
         if server.api_key and request.url.path != "/health":
             got = request.headers.get("authorization", "")
