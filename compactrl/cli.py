@@ -312,6 +312,10 @@ def serve_cmd(
         str, typer.Option(help="error | keep: a template that rewrites earlier turns.")
     ] = "error",
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    thread_adapter: Annotated[
+        Path | None,
+        typer.Option(help="A SideQuest thread adapter checkpoint, for sessions running sidequest."),
+    ] = None,
 ) -> None:
     """An OpenAI-compatible server whose sessions keep one KV stream (removed messages evicted in place)."""
     import torch
@@ -358,6 +362,7 @@ def serve_cmd(
             session_ttl=session_ttl,
             max_queue=max_queue,
             chat_rewrites=chat_rewrites,
+            thread_adapter=None if thread_adapter is None else str(thread_adapter),
         )
     except (ValueError, OSError) as e:
         fail(f"{model_dir}: {e}")

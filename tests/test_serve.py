@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -733,3 +734,75 @@ def test_a_trainer_in_the_same_process_hands_the_server_new_weights(served, mode
     server.engine.stage_weights(old, v0 + 8)  # the old weights back, for the tests that follow
     back = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY)
     assert back.choices[0].message.content == first.choices[0].message.content
+
+
+def browse_like(c, sid, turns, extra):
+    """Tool outputs labelled ``[Cursor c]`` as the browse env writes them, sent as user messages."""
+    messages = [
+        {"role": "system", "content": "You browse."},
+        {"role": "user", "content": "Find the capital."},
+    ]
+    for t in range(turns):
+        r = c.chat.completions.create(model="tiny", messages=messages, extra_body=NO_EOS | extra, **GREEDY)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        messages.append({"role": "user", "content": f"[Cursor {t}] page {t}\ncity {t * 7} is north."})
+    return messages
+
+
+def test_a_sidequest_session_runs_its_thread_on_a_fork_that_never_enters_the_stream(served):
+    """Sequential SideQuest inside a session, every second answer: the thread forks the stream, writes
+    (its trace kept for training, the prefix not trainable), and the main stream is, token for token
+    and log-prob for log-prob, the stream without it: the tiny model names no cursor, so nothing is
+    deleted, and the thread's tokens never enter the stream."""
+    server, url = served
+    c = client(url)
+    sq = {"name": "sidequest", "every": 2, "parallel": False, "max_tokens": 12}
+    browse_like(c, "sq-on", 5, {"session_id": "sq-on", "strategy": sq})
+    browse_like(c, "sq-off", 5, {"session_id": "sq-off"})
+    with http(url) as h:
+        on, off = (h.get(f"/v1/sessions/{s}/trace").json() for s in ("sq-on", "sq-off"))
+    assert on["stats"]["aux_calls"] == 2 and on["stats"]["aux_tokens"] == 2 * 12
+    main, *threads = (Trace.from_dict(t) for t in on["traces"])
+    plain = Trace.from_dict(off["traces"][0])
+    assert main.tokens.tolist() == plain.tokens.tolist() and main.num_evicted == 0
+    assert np.allclose(main.logprobs, plain.logprobs, equal_nan=True, atol=1e-6)
+    assert len(threads) == 2 and all(t.meta["aux"] for t in threads)
+    for t in threads:
+        fork = t.meta["fork_at"]
+        assert t.tokens[:fork].tolist() == main.tokens[:fork].tolist()
+        assert not t.trainable[:fork].any() and t.trainable[fork:].sum() == 12
+        with torch.no_grad():
+            replayed = stream_logprobs(server.engine.model, [t])[0].double()
+        m = torch.as_tensor(t.trainable)
+        assert (replayed[m] - torch.as_tensor(t.logprobs)[m]).abs().max() < 5e-5
+
+
+@pytest.mark.parametrize("keep_calls", [False, True])
+def test_a_threads_answer_deletes_only_cursors_it_saw_and_may_delete(model_dir, keep_calls):
+    """The answer's cursors, applied to a session's records: named and open ones go (whole steps, or
+    outputs only with keep_calls), unknown ones are counted, the unread one stays."""
+    from compactrl.compaction import SideQuestConfig
+    from compactrl.serve.session import ChatSession, Usage
+
+    engine = Engine.from_pretrained(model_dir)
+    fmt = ChatFormat.from_tokenizer(engine.tokenizer)
+    cs = ChatSession("x", engine, fmt, strategy=SideQuestConfig(parallel=False, keep_calls=keep_calls,
+                                                                 keep_unread=True, every=100))  # fmt: skip
+    messages = [("system", "You browse."), ("user", "Find it.")]
+    for t in range(3):
+        cs.apply(cs.plan(messages, 4), Usage())
+        g = cs.stream.generate(SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        engine.run()
+        cs.finish(g, fmt.text(g.tokens))
+        messages += [("assistant", fmt.text(g.tokens)), ("user", f"[Cursor {t}] page {t}")]
+    cs.apply(cs.plan(messages, 4), Usage())  # the third output lands: cursors 0, 1, 2 open, 2 unread
+    seen = {r.cursor: r for r in cs.records if r.cursor is not None}
+    assert sorted(seen) == [0, 1, 2] and cs.step == 2
+    before = cs.stream.live
+    deleted = cs.delete_named('I think so.\n{"del_cursors": [0, 2, 7]}', seen, unread={2})
+    assert deleted == [0] and cs.stats["aux_unknown_cursors"] == 1  # 7 was never open
+    assert cs.stats["aux_kept_unread"] == 1  # 2: no answer has read it yet
+    gone = [r for r in cs.records if r.deleted]
+    assert [r.role for r in gone] == (["user"] if keep_calls else ["assistant", "user"])
+    assert all(r.step == 0 for r in gone) and cs.stream.live == before - sum(r.end - r.start for r in gone)
+    assert cs.delete_named("no json here", seen) == [] and cs.stats["aux_parse_failures"] == 1

@@ -37,8 +37,16 @@ from compactrl.serve.protocol import (
 from compactrl.serve.responses import chat_body, chat_stream, completion_body
 from compactrl.serve.server import Server, read_weights
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-          "/metrics", "/v1/load_weights")  # fmt: skip
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+    "/v1/load_weights",
+)
 
 
 def create_app(server: Server) -> FastAPI:
@@ -160,7 +168,7 @@ def create_app(server: Server) -> FastAPI:
     async def trace(sid: str):
         def read():
             cs = worker.get(sid)
-            return {"session_id": sid, "compaction": cs.compaction, "traces": cs.trace()}
+            return {"session_id": sid, "compaction": cs.compaction, "stats": cs.stats, "traces": cs.trace()}
 
         return await worker.call(read)
 
@@ -197,10 +205,11 @@ def create_app(server: Server) -> FastAPI:
         limit = req.limit() or server.engine.position_limit
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = [server.params(req, limit, top, i) for i in range(req.n)]
+        thread = (params[0].temperature, params[0].seed)  # SideQuest's thread samples as the answer does
         worker.admit()
         try:
             job, futures = await server.submit(
-                sid, "chat", req, lambda cs, usage: cs.apply(cs.plan(messages, limit), usage), params
+                sid, "chat", req, lambda cs, usage: cs.apply(cs.plan(messages, limit), usage, *thread), params
             )
             if req.stream:
                 events = chat_stream(server, req, job)

@@ -90,12 +90,18 @@ class Server:
         session_ttl: float = 600.0,
         max_queue: int = 256,
         chat_rewrites: str = "error",
+        thread_adapter: str | None = None,
     ):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.fmt = ChatFormat.from_tokenizer(engine.tokenizer, chat_rewrites)
         self.worker = EngineWorker(
             engine, self.fmt, max_sessions=max_sessions, session_ttl=session_ttl, max_queue=max_queue
         )
+        if thread_adapter is not None:  # SideQuest's thread adapter: gated, it acts on threads' tokens only
+            from compactrl.models.lora import load_thread_adapter
+
+            load_thread_adapter(engine.model, thread_adapter)
+            self.worker.thread_adapter = thread_adapter
         self.metrics = Metrics(self.worker)
         self.created = int(time.time())
 

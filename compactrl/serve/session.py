@@ -36,12 +36,15 @@ the message list means use ``compaction = "reprefill"``.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import dataclass, field
 
 from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, StepView, build_strategy
-from compactrl.engine import Engine
+from compactrl.compaction.sidequest import parse_deletions
+from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
 from compactrl.trace import NO_CURSOR
@@ -55,7 +58,9 @@ SERVER_STRATEGIES = (
     "keep_last_cursors",
     "drop_unreferenced",
     "random_cursors",
+    "sidequest",
 )
+CURSOR_LABEL = re.compile(r"^\s*\[Cursor (\d+)\]")
 
 
 @dataclass(eq=False)
@@ -130,7 +135,20 @@ class ChatSession:
         self.records: list[Record] = []
         self.step = -1  # the latest answer's step (-1: none yet)
         self.compacted_at = -1  # the step of the latest compaction
-        self.cursors = 0
+        self.next_cursor = 0
+        self.threads: list[dict] = []  # SideQuest: the auxiliary threads' traces
+        self.stats = dict.fromkeys(
+            (
+                "aux_calls",
+                "aux_tokens",
+                "deleted_cursors",
+                "aux_parse_failures",
+                "aux_no_room",
+                "aux_unknown_cursors",
+                "aux_kept_unread",
+            ),
+            0,
+        )
         self.turn = -1
         self.segments: list[dict] = []  # reprefill: the traces of the streams cut before
         self.busy = False
@@ -160,10 +178,19 @@ class ChatSession:
         ev = self.stream.evict_at
         return [j for j in range(r.start, r.end) if ev[j] is None]
 
-    def _compaction(self, live: list[Record], incoming: int, tool_incoming: bool) -> list[Record]:
+    def _cursor(self, role: str, content: str) -> int | None:
+        """A message after the first answer is a cursor when it opens with ``[Cursor N]`` (id N; the
+        browse env labels its outputs so) or is a tool message (the next unused id)."""
+        if self.step < 0:
+            return None
+        if m := CURSOR_LABEL.match(content):
+            return int(m.group(1))
+        return self.next_cursor if role == "tool" else None
+
+    def _compaction(self, live: list[Record], incoming: int, incoming_cursor: int | None) -> list[Record]:
         """The records the session's strategy deletes at this step boundary (the answer's step, whose
         output is still coming, stays)."""
-        if self.strategy is None or self.step < 0:
+        if self.strategy is None or self.step < 0 or self.strategy.name == "sidequest":
             return []
         steps: dict[int, list[Record]] = {}
         for r in live:
@@ -172,15 +199,15 @@ class ChatSession:
         views = []
         for k, rs in steps.items():
             cursor = next((r.cursor for r in reversed(rs) if r.cursor is not None), None)
-            if k == self.step and tool_incoming:
-                cursor = self.cursors  # the output about to be read is this step's cursor
+            if k == self.step and incoming_cursor is not None:
+                cursor = incoming_cursor  # the output about to be read is this step's cursor
             views.append(
                 StepView(
                     k,
                     sum(len(self._live(r)) for r in rs),
                     "\n".join(r.content for r in rs),
                     cursor=cursor,
-                    last_used=k,
+                    last_used=k + 1,
                 )
             )
         head = sum(len(self._live(r)) for r in live if r.step < 0)
@@ -189,7 +216,7 @@ class ChatSession:
             views,
             head,
             incoming,
-            self.step,
+            self.step + 1,  # actions so far, as rollouts count them
             self.step - self.compacted_at,
             answers[-1].content if answers else "",
         )
@@ -208,7 +235,8 @@ class ChatSession:
         conv.reset([r.message() for r in live])
         preview = conv.fork()
         incoming = sum(len(preview.message(role, text)) for role, text in messages[k:])
-        drop = self._compaction(live, incoming, any(role == "tool" for role, _ in messages[k:]))
+        cursors = [c for role, text in messages[k:] if (c := self._cursor(role, text)) is not None]
+        drop = self._compaction(live, incoming, cursors[0] if cursors else None)
         if drop:
             live = [r for r in live if r not in drop]
             conv.reset([r.message() for r in live])
@@ -246,8 +274,9 @@ class ChatSession:
         return plan
 
     # ---- applying ---------------------------------------------------------------------------
-    def apply(self, plan: Plan, usage: Usage) -> None:
-        """Evict (or cut) what was removed, feed what was added, and the generation prompt."""
+    def apply(self, plan: Plan, usage: Usage, temperature: float = 1.0, seed: int | None = None) -> None:
+        """Evict (or cut) what was removed, feed what was added (with SideQuest, its thread runs after
+        the call or after the output, as ``at`` says), and the generation prompt."""
         s = self.stream
         if plan.cut is not None:
             self.segments.append(s.trace().to_dict())
@@ -267,10 +296,15 @@ class ChatSession:
             self.compacted_at = self.step
         self.records, self.conv = plan.records, plan.conv
         usage.cached_tokens = s.live - usage.prefilled_tokens
+        thread = self._thread_due()
+        if thread == "call":  # the call is in, its output not yet
+            self._side_quest(temperature, seed)
         for role, text, toks in plan.new:
             if role == "assistant":  # an answer the client wrote: a step of its own
                 self.step += 1
             self._add(role, text, toks)
+        if thread == "output":
+            self._side_quest(temperature, seed)
         if self.step < 0 and s.evictor is not None:
             s.evictor.head = len(s.tokens)  # the head (system prompt, task) is never evicted
         self.turn += 1
@@ -279,12 +313,92 @@ class ChatSession:
         usage.prefilled_tokens += sum(len(t) for *_, t in plan.new) + len(plan.prompt)
         usage.prompt_tokens = s.live
 
+    # ---- SideQuest's thread, sequential -------------------------------------------------------
+    def _thread_due(self) -> str | None:
+        """Where the thread runs at this boundary ("call" or "output"), or None: after every
+        ``every``-th answer."""
+        if self.strategy is None or self.strategy.name != "sidequest" or self.step < 0:
+            return None
+        return self.strategy.plan.at if (self.step + 1) % self.strategy_cfg.every == 0 else None
+
+    def _side_quest(self, temperature: float, seed: int | None) -> None:
+        """Fork the stream here (its KV shared, no copy), ask the trigger, let the model name the
+        cursors to delete, and delete them from this stream in place; the thread's tokens never enter
+        it. It may name only cursors whose output is in at the fork; with ``keep_unread`` not the one
+        the newest answer has not read yet. Its trace is kept for training (``meta["aux"]``)."""
+        plan, st = self.strategy.plan, self.stats
+        seen = {r.cursor: r for r in self.records if r.cursor is not None and not r.deleted and self._live(r)}
+        unread = {r.cursor for r in seen.values() if r.step == self.step} if plan.keep_unread else set()
+        conv = self.conv.fork()
+        trigger, prompt = conv.message("user", plan.trigger), conv.prompt()
+        st["aux_calls"] += 1
+        answer, child = None, None
+        try:
+            child = self.stream.fork(f"{self.id}-aux{st['aux_calls']}")
+            fork_at = child.adapter_from = len(child.tokens)  # a thread adapter acts on the thread's tokens
+            child.append(trigger, role="user", turn=self.turn + 1)
+            child.append(prompt, role="assistant", turn=self.turn + 2)
+            params = SamplingParams(
+                max_tokens=plan.max_tokens,
+                temperature=temperature,
+                seed=seed,
+                stop_token_ids=list(self.fmt.stop_ids),
+            )
+            gen = child.generate(params, role="assistant", turn=self.turn + 2)
+            self.engine.run(until=[gen])
+            st["aux_tokens"] += len(gen.tokens)
+            answer = None if gen.finish_reason == "position_limit" else self.fmt.text(gen.tokens)
+        except SessionError:  # no room (pool or positions) for the thread: it deletes nothing
+            pass
+        finally:
+            if child is not None:
+                t = child.trace()
+                child.close()
+                t.trainable[:fork_at], t.logprobs[:fork_at] = False, math.nan
+                t.meta = {
+                    "aux": True,
+                    "action": self.step + 1,
+                    "fork_at": fork_at,
+                    "keep_calls": plan.keep_calls,
+                    "named": parse_deletions(answer or ""),
+                    "no_room": answer is None,
+                }
+                self.threads.append(t.to_dict())
+        if answer is None:
+            st["aux_no_room"] += 1
+            return
+        self.delete_named(answer, seen, unread)
+
+    def delete_named(self, answer: str, seen: dict[int, Record], unread: set[int] = frozenset()) -> list[int]:
+        """Delete the cursors a thread's ``answer`` names, of those it saw open (``seen``) and may
+        delete (not ``unread``): with ``keep_calls`` their outputs, else their whole steps. Returns
+        the cursors deleted."""
+        plan, st = self.strategy.plan, self.stats
+        delete, unknown = plan.split(answer, set(seen))
+        st["aux_parse_failures"] += delete is None
+        st["aux_unknown_cursors"] += len(unknown)
+        if delete:
+            st["aux_kept_unread"] += len(set(delete) & set(unread))
+            delete = [c for c in delete if c not in unread]
+        gone = [seen[c] for c in delete or ()]
+        if not plan.keep_calls:  # the whole step: the call that made the output too
+            steps = {r.step for r in gone}
+            gone = [r for r in self.records if r.step in steps and not r.deleted and r.step >= 0]
+        idx = [j for r in gone for j in self._live(r)]
+        if idx:
+            self.stream.evict(idx)
+        for r in gone:
+            r.deleted = True
+        st["deleted_cursors"] += len(delete or ())
+        self.conv.reset([r.message() for r in self.records if not r.deleted])
+        return delete or []
+
     def _add(self, role: str, text: str, toks: list[int]) -> None:
         self.turn += 1
         start = len(self.stream.tokens)
-        cursor = None
-        if role == "tool" and self.step >= 0:
-            cursor, self.cursors = self.cursors, self.cursors + 1
+        cursor = self._cursor(role, text)
+        if cursor is not None:
+            self.next_cursor = max(self.next_cursor, cursor + 1)
         self.stream.append(toks, role=role, turn=self.turn, cursor=NO_CURSOR if cursor is None else cursor)
         self.records.append(Record(role, text, start, len(self.stream.tokens), self.step, cursor))
 
@@ -343,8 +457,8 @@ class ChatSession:
 
     def trace(self) -> list[dict]:
         """The session's stream as compactrl traces (traces.jsonl rows): one, or with reprefill one per
-        segment (each stream cut, then the current one)."""
-        return [*self.segments, self.stream.trace().to_dict()]
+        segment (each stream cut, then the current one); then SideQuest's threads (``meta["aux"]``)."""
+        return [*self.segments, self.stream.trace().to_dict(), *self.threads]
 
     def close(self) -> None:
         self.stream.cancel()

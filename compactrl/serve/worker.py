@@ -41,6 +41,7 @@ class EngineWorker:
         self.engine, self.fmt = engine, fmt
         self.max_sessions, self.session_ttl, self.max_queue = max_sessions, session_ttl, max_queue
         self.sessions: dict[str, ChatSession] = {}
+        self.thread_adapter: str | None = None  # the SideQuest thread adapter loaded into the model
         self.in_flight = 0  # requests admitted and not yet answered (the event loop's count)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -123,6 +124,8 @@ class EngineWorker:
                     f"to write); a session runs {', '.join(SERVER_STRATEGIES)}",
                     "strategy",
                 )
+            if strategy is not None and strategy.name == "sidequest":
+                self._check_thread(strategy)
             if sid is not None and len(self.sessions) >= self.max_sessions:
                 self.expire(force=True)
                 if len(self.sessions) >= self.max_sessions:
@@ -169,6 +172,23 @@ class EngineWorker:
                     )
         cs.busy = True
         return cs
+
+    def _check_thread(self, cfg) -> None:
+        if cfg.parallel:
+            raise ApiError(
+                400,
+                "a session runs SideQuest's thread sequentially (the answer waits for it): "
+                "set strategy.parallel = false",
+                "strategy",
+            )
+        if cfg.thread_adapter is not None and cfg.thread_adapter != self.thread_adapter:
+            raise ApiError(
+                400,
+                f"strategy.thread_adapter {cfg.thread_adapter!r} is not the adapter this server "
+                f"loaded ({self.thread_adapter!r}); start it with --thread-adapter "
+                f"{cfg.thread_adapter}, or leave the field out",
+                "strategy",
+            )
 
     def release(self, cs: ChatSession, broken: bool = False) -> None:
         """A request is done with its session: an ephemeral (or broken) one is closed."""
