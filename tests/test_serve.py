@@ -357,7 +357,7 @@ def test_a_session_used_twice_at_once_is_refused_and_left_as_it_was(served):
     long = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Go."}],
-        "max_tokens": 400,
+        "max_tokens": 1500,
         "temperature": 0.0,
         "ignore_eos": True,
         "session_id": "twice",
@@ -406,7 +406,7 @@ def test_a_full_queue_answers_429_with_retry_after(model_dir):
         body = {
             "model": "tiny",
             "messages": [{"role": "user", "content": "Go."}],
-            "max_tokens": 300,
+            "max_tokens": 5000,
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": True,
@@ -558,7 +558,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
                 json={
                     "model": "tiny",
                     "messages": [{"role": "user", "content": "Long."}],
-                    "max_tokens": 300,
+                    "max_tokens": 1500,
                     "temperature": 0.0,
                     "ignore_eos": True,
                 },
@@ -576,7 +576,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
     finally:
         proc.kill()
     assert [s for s, _ in results] == [200] * 4
-    assert all(b["usage"]["completion_tokens"] == 300 for _, b in results)
+    assert all(b["usage"]["completion_tokens"] == 1500 for _, b in results)
 
 
 def test_the_serve_bench_runs_one_workload_against_both_session_modes(model_dir, tmp_path):
