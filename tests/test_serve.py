@@ -447,7 +447,7 @@ def test_metrics_and_load_weights(served, model_dir, tmp_path):
     again = c.chat.completions.create(model="tiny", messages=msgs, extra_body=NO_EOS, **GREEDY).choices[0]
     assert again.message.content == before.message.content
     assert 'compactrl_tokens_total{kind="evicted"}' in text
-    assert "compactrl_kv_tokens_used" in text
+    assert "compactrl_kv_tokens_used" in text and "compactrl_kv_tokens_peak" in text
     assert 'route="other"' in text and "/no/such/route" not in text  # labels per route, not per URL
 
 

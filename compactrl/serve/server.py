@@ -41,18 +41,25 @@ class Metrics:
             registry=r,
         )
         eng = worker.engine
-        gauges = {
+        self.readings = {  # read on the engine's thread (the engine is not thread-safe), at each scrape
             "compactrl_sessions_open": ("sessions open", lambda: len(worker.sessions)),
             "compactrl_requests_in_flight": ("requests in flight", lambda: worker.in_flight),
             "compactrl_kv_tokens_used": ("KV pool tokens in use", eng.kv_tokens_used),
             "compactrl_kv_pool_tokens": ("KV pool size in tokens", lambda: eng.config.kv_pool_tokens),
-            "compactrl_engine_sessions": (
-                "sessions the engine holds (open ones only)",
-                lambda: len(eng.sessions),
-            ),
-        }
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(fn)
+            "compactrl_kv_tokens_peak": ("KV pool tokens in use, its peak", lambda: eng.totals["peak_kv_tokens"]),
+            "compactrl_preemptions": ("sessions preempted (their KV dropped, recomputed on return)",
+                                      lambda: eng.metrics()["preemptions"]),
+            "compactrl_engine_sessions": ("sessions the engine holds (open ones)", lambda: len(eng.sessions)),
+        }  # fmt: skip
+        self.gauges = {name: Gauge(name, doc, registry=r) for name, (doc, _) in self.readings.items()}
+
+    def read(self) -> dict[str, float]:
+        """The gauges' values (call on the engine's thread)."""
+        return {name: fn() for name, (_, fn) in self.readings.items()}
+
+    def set(self, values: dict[str, float]) -> None:
+        for name, v in values.items():
+            self.gauges[name].set(v)
 
     def count(self, usage: Usage) -> None:
         for kind, n in (
