@@ -46,7 +46,7 @@ class Metrics:
             "compactrl_requests_in_flight": ("requests in flight", lambda: worker.in_flight),
             "compactrl_kv_tokens_used": ("KV pool tokens in use", eng.kv_tokens_used),
             "compactrl_kv_pool_tokens": ("KV pool size in tokens", lambda: eng.config.kv_pool_tokens),
-            "compactrl_kv_tokens_peak": ("KV pool tokens in use, its peak", lambda: eng.totals["peak_kv_tokens"]),
+            "compactrl_kv_tokens_peak": ("KV pool use, its peak", lambda: eng.totals["peak_kv_tokens"]),
             "compactrl_preemptions": ("sessions preempted (their KV dropped, recomputed on return)",
                                       lambda: eng.metrics()["preemptions"]),
             "compactrl_engine_sessions": ("sessions the engine holds (open ones)", lambda: len(eng.sessions)),
