@@ -1108,6 +1108,33 @@ def bench_serve(
     out.print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
+@bench_app.command("serve-episodes")
+def bench_serve_episodes(
+    config: Annotated[Path, typer.Argument(help="Bench config (TOML): model, env, pool and [[row]]s.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """An env's episodes over HTTP against compactrl serve, one row per session setting, one KV pool."""
+    import pydantic
+
+    from compactrl.bench.serve_episodes import load_episode_bench, markdown, run_episode_bench
+    from compactrl.config import ConfigError
+
+    try:
+        bench = load_episode_bench(config)
+    except (ConfigError, pydantic.ValidationError, ValueError) as e:
+        fail(f"{config}: {e}")
+    with progress_bar("rows") as progress:
+        try:
+            result = run_episode_bench(bench, progress)
+        except RuntimeError as e:
+            fail(str(e))
+    if as_json:
+        emit_json(result)
+        return
+    out.print(markdown(result))
+    out.print(f"wrote {bench.results}")
+
+
 @bench_app.command("scale")
 def bench_scale(
     config: Annotated[Path, typer.Argument(help="Train config of the workload.")] = Path(

@@ -806,3 +806,27 @@ def test_a_threads_answer_deletes_only_cursors_it_saw_and_may_delete(model_dir, 
     assert [r.role for r in gone] == (["user"] if keep_calls else ["assistant", "user"])
     assert all(r.step == 0 for r in gone) and cs.stream.live == before - sum(r.end - r.start for r in gone)
     assert cs.delete_named("no json here", seen) == [] and cs.stats["aux_parse_failures"] == 1
+
+
+def test_the_episode_bench_plays_an_env_over_http_with_and_without_a_sessions_thread(model_dir, tmp_path):
+    """Browse episodes played by an OpenAI client against two fresh servers under one pool: the same
+    episodes in both rows, paired; SideQuest's thread runs inside the sessions of the second."""
+    from compactrl.bench.serve_episodes import EpisodeBench, markdown, run_episode_bench
+
+    bench = EpisodeBench.model_validate({
+        "model": str(model_dir), "env": {"name": "browse", "min_hops": 2, "max_hops": 2}, "episodes": 4,
+        "concurrency": 2, "kv_pool_tokens": 6000, "threads": 1, "max_turns": 4, "max_tokens": 8,
+        "results": str(tmp_path / "rows.json"),
+        "row": [{"name": "full"},
+                {"name": "sq", "strategy": {"name": "sidequest", "every": 2, "parallel": False, "max_tokens": 8}}],
+    })  # fmt: skip
+    result = run_episode_bench(bench)
+    full, sq = result["rows"]
+    assert full["episodes"] == sq["episodes"] == 4 and not full["errors"] and not sq["errors"]
+    assert full["episode_seeds"] == sq["episode_seeds"] and sq["compared_to"] == "full"
+    assert full.get("aux_calls", 0) == 0 and sq["aux_calls"] > 0 and sq["aux_tokens"] == 8 * sq["aux_calls"]
+    assert (
+        full["peak_pool_tokens"] > 0
+        and json.loads((tmp_path / "rows.json").read_text())["rows"][1]["row"] == "sq"
+    )
+    assert "| sq |" in markdown(result)

@@ -90,7 +90,17 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 90
     raise RuntimeError(f"the server did not answer within {timeout:.0f} s; its log: {log}")
 
 
-def _launch(kind: str, model_dir: Path, threads: int, pool_tokens: int, vllm_python: str | None, logs: Path):
+def launch(
+    kind: str,
+    model_dir: Path,
+    threads: int,
+    pool_tokens: int,
+    vllm_python: str | None,
+    logs: Path,
+    extra: list[str] = (),
+):
+    """Start ``compactrl serve`` (or, ``kind = "vllm"``, ``vllm serve`` with prefix caching) on a free
+    loopback port, serving the model as ``m``; returns the process and its URL once it answers."""
     port = _free_port()
     log = logs / f"{kind}.log"
     env = {**os.environ}
@@ -137,8 +147,10 @@ def _launch(kind: str, model_dir: Path, threads: int, pool_tokens: int, vllm_pyt
             "warning",
             "--max-queue",
             "100000",
+            "--session-ttl",
+            "86400",
         ]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([*cmd, *extra], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(proc, url, log)
@@ -146,6 +158,15 @@ def _launch(kind: str, model_dir: Path, threads: int, pool_tokens: int, vllm_pyt
         proc.kill()
         raise
     return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server answers what is in flight and exits), then kill after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 async def _workload(
@@ -226,15 +247,11 @@ def run_serve_bench(
     advance = progress(len(kinds)) if progress else None
     with tempfile.TemporaryDirectory() as tmp:
         for kind in kinds:
-            proc, url = _launch(kind.split("-")[0], model_dir, threads, pool_tokens, vllm_python, Path(tmp))
+            proc, url = launch(kind.split("-")[0], model_dir, threads, pool_tokens, vllm_python, Path(tmp))
             try:
                 rows.append(asyncio.run(_workload(url, kind, agents, turns, window, page_words, max_tokens)))
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc)
             if advance:
                 advance(kind)
     base = rows[0]
