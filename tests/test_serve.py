@@ -813,13 +813,13 @@ def test_the_episode_bench_plays_an_env_over_http_with_and_without_a_sessions_th
     episodes in both rows, paired; SideQuest's thread runs inside the sessions of the second."""
     from compactrl.bench.serve_episodes import EpisodeBench, markdown, run_episode_bench
 
-    SQ = {"name": "sidequest", "every": 2, "parallel": False, "max_tokens": 8}  # noqa: N806
+    thread = {"name": "sidequest", "every": 2, "parallel": False, "max_tokens": 8}
 
     bench = EpisodeBench.model_validate({
         "model": str(model_dir), "env": {"name": "browse", "min_hops": 2, "max_hops": 2}, "episodes": 4,
         "concurrency": 2, "kv_pool_tokens": 6000, "threads": 1, "max_turns": 4, "max_tokens": 8,
         "results": str(tmp_path / "rows.json"),
-        "row": [{"name": "full"}, {"name": "sq", "strategy": SQ}],
+        "row": [{"name": "full"}, {"name": "sq", "strategy": thread}],
     })  # fmt: skip
     result = run_episode_bench(bench)
     full, sq = result["rows"]
