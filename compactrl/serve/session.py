@@ -280,11 +280,12 @@ class ChatSession:
         s = self.stream
         if plan.cut is not None:
             self.segments.append(s.trace().to_dict())
-            old = [(r, s.tokens[r.start : r.end], s.role[r.start], s.turn[r.start]) for r in plan.refeed]
+            old = [(r, s.tokens[r.start : r.end], s.role[r.start], s.turn[r.start], s.cursor[r.start])
+                   for r in plan.refeed]  # fmt: skip
             usage.evicted_tokens = s.truncate(plan.cut) - sum(len(t) for _, t, *_ in old)
-            for r, toks, role, turn in old:
+            for r, toks, role, turn, cursor in old:
                 r.start = len(s.tokens)
-                s.append(toks, role=role, turn=turn)
+                s.append(toks, role=role, turn=turn, cursor=cursor)
                 r.end = len(s.tokens)
             usage.prefilled_tokens = sum(len(t) for _, t, *_ in old)
         elif plan.gone or plan.drop:
