@@ -255,3 +255,13 @@ def test_contrasts_name_rows_or_with_pool_sets_variants(tmp_path):
     (pq,) = contrasted(table, [("p", "q"), ("p", "absent")])
     assert (pq["variant"], pq["baseline"], pq["questions"]) == ("p", "q", 3)
     assert pq["paired_diff"] == pytest.approx(1 / 3) and pq["mcnemar_p"] == 1.0
+
+
+def test_with_replicate_sets_each_set_is_compared_to_its_own_first_row(tmp_path):
+    rows = "".join(f'[[row]]\nname = "{n}"\n' for n in ("a-full", "a-x", "b-full", "b-x"))
+    path = bench_file(tmp_path, rows)
+    path.write_text("pool_sets = true\n" + path.read_text())
+    bench = load_bench(path)
+    assert [bench.baseline(r) for r in bench.row] == [None, "a-full", None, "b-full"]
+    plain = load_bench(bench_file(tmp_path, rows))  # without pool_sets: the bench's first row
+    assert [plain.baseline(r) for r in plain.row] == [None, "a-full", "a-full", "a-full"]

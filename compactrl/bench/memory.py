@@ -102,8 +102,12 @@ class MemoryBench(BaseModel):
         return self
 
     def baseline(self, row: Row) -> str | None:
-        """The row ``row`` is compared to (None: the baseline itself)."""
-        name = row.compare_to or self.compare_to or self.row[0].name
+        """The row ``row`` is compared to (None: the baseline itself): its own ``compare_to``, the
+        bench's, else the first row (with ``pool_sets``, the first row of its own set)."""
+        first = self.row[0].name
+        if self.pool_sets:
+            first = next(r.name for r in self.row if r.name.split("-", 1)[0] == row.name.split("-", 1)[0])
+        name = row.compare_to or self.compare_to or first
         return None if name == row.name else name
 
 
@@ -137,6 +141,15 @@ def _per_question(row: dict) -> dict[int, float] | None:
 
 def _seeds(cfg: RolloutConfig) -> dict[int, float]:
     return dict.fromkeys(range(cfg.seed, cfg.seed + cfg.episodes), 0.0)
+
+
+def _kept_seeds(bench: MemoryBench, name: str | None) -> dict[int, float] | None:
+    """A finished row's episode seeds, from ``results`` (None if it is not there)."""
+    path = Path(bench.results)
+    if name is None or not path.exists():
+        return None
+    row = next((r for r in json.loads(path.read_text()) if r["row"] == name), None)
+    return None if row is None else _per_question(row)
 
 
 def _row(name: str, cfg: RolloutConfig, s: dict, episodes: list[dict]) -> dict:
@@ -202,8 +215,11 @@ def run_memory_bench(bench: MemoryBench, sets: list[str] = (), only: list[str] |
         if r.rate_from:
             extra.append(f"strategy.rate={deletion_rate(rows[r.rate_from])}")
         cfg = cfgs[r.name] = load_config(RolloutConfig, Path(bench.base), extra)
-        if (base := bench.baseline(r)) in cfgs:  # other questions than its baseline's: refused before running
+        base = bench.baseline(r)  # other questions than its baseline's: refused before running
+        if base in cfgs:
             align(_seeds(cfg), _seeds(cfgs[base]), r.name, base)
+        elif (seeds := _kept_seeds(bench, base)) is not None:
+            align(_seeds(cfg), seeds, r.name, base)
         rows[r.name] = _row(r.name, cfg, *_run(cfg, progress))
     results = Path(bench.results)  # read now, not at the start: a parallel --only run may have written
     kept = {r["row"]: r for r in json.loads(results.read_text())} if results.exists() and only else {}
