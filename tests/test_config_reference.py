@@ -14,7 +14,8 @@ from compactrl.config import load_config
 from compactrl.config_reference import KINDS, REGENERATE, reference, resolve, show, toml_value, undescribed
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.toml") if not {"studies", "bench"} & set(p.parts))
+NOT_RUNS = {"studies", "bench", "serve"}  # study grids, bench configs: not train or rollout configs
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.toml") if not NOT_RUNS & set(p.parts))
 runner = CliRunner()
 QUICKSTART = str(ROOT / "configs/quickstart.toml")
 

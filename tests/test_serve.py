@@ -402,20 +402,22 @@ def test_a_client_that_disconnects_mid_stream_cancels_and_the_session_stays_cons
 
 
 def test_a_full_queue_answers_429_with_retry_after(model_dir):
-    with serving(model_dir, max_queue=1) as (server, url), http(url) as h:
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "Go."}],
-            "max_tokens": 5000,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with h.stream("POST", "/v1/chat/completions", json=body) as first:
-            next(first.iter_lines())
-            r = h.post("/v1/chat/completions", json={**body, "stream": False})
-            assert r.status_code == 429 and r.headers["retry-after"] == "1"
-            assert "max-queue" in r.json()["error"]["message"]
+    """With --max-queue requests in flight, the next one is refused with Retry-After; one answered
+    frees its place. (The requests in flight are counted in by ``admit``; here one is held there.)"""
+    with serving(model_dir, max_queue=2) as (server, url), http(url) as h:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Go."}], "max_tokens": 2}
+        worker = server.worker
+        worker.admit()  # a request in flight, held
+        assert h.post("/v1/chat/completions", json=body).status_code == 200  # the second place
+        assert worker.in_flight == 1  # answered: its place is free again
+        worker.admit()  # now both places are taken
+        r = h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert "max-queue" in r.json()["error"]["message"] and worker.in_flight == 2
+        worker.done()
+        worker.done()
+        assert h.post("/v1/chat/completions", json=body | {"stream": True}).status_code == 200
+        assert worker.in_flight == 0  # a stream frees its place when it ends
 
 
 def test_metrics_and_load_weights(served, model_dir, tmp_path):
