@@ -329,8 +329,13 @@ def deletion_rate(row: dict) -> float:
 def markdown(table: list[dict]) -> str:
     """The README's table: each row's accuracy with its 95% interval, its paired difference to its
     baseline row with the difference's interval and what may be said of it, and its memory against
-    the first row (full context)."""
-    full = table[0]
+    that baseline's (full context in the shipped benches; a baseline row: 1.00x)."""
+    by_name = {r["row"]: r for r in table}
+    baselines = {r.get("compared_to") for r in table}
+
+    def reference(r: dict) -> dict:  # its baseline; a baseline itself; else (no per-question data) the first
+        return by_name.get(r.get("compared_to")) or (r if r["row"] in baselines else table[0])
+
     head = ("| row | accuracy [95% CI] | vs baseline: paired difference [95% CI] | peak live KV "
             "| KV reads / episode | with threads: peak | KV reads | turn limit | unparsable "
             "| position limit |")  # fmt: skip
@@ -345,7 +350,7 @@ def markdown(table: list[dict]) -> str:
         return f"{said}: {verdict(ci, r['row'], base, p)}"
 
     def vs_full(r: dict, key: str) -> str:
-        v, base = r.get(key), full.get(key)
+        v, base = r.get(key), reference(r).get(key)
         if v is None:
             return "-"
         return f"{v:.0f} ({v / base:.2f}x)" if base else f"{v:.0f}"
