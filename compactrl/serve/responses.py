@@ -53,7 +53,7 @@ def _text_logprobs(server: Server, gen: Generation, lo: int, hi: int, as_ids: bo
     }
 
 
-def _choice_tokens(server: Server, req, gen: Generation) -> dict:
+def _choice_tokens(req, gen: Generation) -> dict:
     return {"token_ids": list(gen.tokens)} if req.return_token_ids else {}
 
 
@@ -71,7 +71,7 @@ def chat_body(server: Server, req: ChatCompletionRequest, job: Job) -> dict:
                 "message": {"role": "assistant", "content": text},
                 "logprobs": lp,
                 "finish_reason": FINISH[g.finish_reason],
-                **_choice_tokens(server, req, g),
+                **_choice_tokens(req, g),
             }
         )
     body = {
@@ -112,7 +112,7 @@ def completion_body(
                 "text": text,
                 "logprobs": lp,
                 "finish_reason": FINISH[g.finish_reason],
-                **_choice_tokens(server, req, g),
+                **_choice_tokens(req, g),
             }
             if req.return_token_ids:
                 choice["prompt_token_ids"] = prompts[k]
@@ -190,7 +190,7 @@ async def chat_stream(server: Server, req: ChatCompletionRequest, job: Job) -> A
                     continue
                 done = g.done
                 n = len(g.tokens)
-                text = server.text(job.cs, g) if done else server.fmt.text(g.tokens[:n])
+                text = server.text(g) if done else server.fmt.text(g.tokens[:n])
                 if not done:
                     text = text[: len(text) - hold] if hold else text
                     text = text.rstrip("\ufffd")

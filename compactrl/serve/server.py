@@ -143,7 +143,7 @@ class Server:
             top_logprobs=top_logprobs,
         )
 
-    def text(self, cs: ChatSession, gen: Generation) -> str:
+    def text(self, gen: Generation) -> str:
         """What the client is sent: the content without its stop token, cut before a stop string."""
         text = self.fmt.text(gen.tokens)
         cut = [i for s in gen.params.stop if (i := text.find(s)) >= 0]
@@ -165,7 +165,7 @@ class Server:
         job.weights.append(self.engine.weights_version)
         for g in job.gens:
             g.session.cancel()
-        job.texts = [self.text(job.cs, g) for g in job.gens]
+        job.texts = [self.text(g) for g in job.gens]
         try:
             if job.gens and job.cs.kind == "chat" and not broken:
                 job.cs.finish(job.gens[0], job.texts[0])
