@@ -173,3 +173,15 @@ def test_browse_config_builds_the_env():
     assert make_env(BrowseConfig()).reset(5).system.startswith("You answer questions")
     with pytest.raises(ValidationError, match="min_hops"):
         BrowseConfig(min_hops=4, max_hops=3)
+
+
+def test_calls_parse_from_many_threads_at_once():
+    """Episodes run their env calls on a thread pool, and CPython 3.11's AST constructor can fail
+    when parses race ("AST constructor recursion depth mismatch"; it ended demonstration episodes of
+    tests/test_sidequest.py at random): calls parse alike from many threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = ['search("river castle")', "open(cursor=0, id=3)", 'answer("Lantern", cite=[1, 2])'] * 600
+    with ThreadPoolExecutor(8) as pool:
+        parsed = list(pool.map(parse_call, calls))
+    assert parsed == [parse_call(c) for c in calls]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import random
+import threading
 from collections import Counter
 
 from compactrl.envs.base import Reset, Step
@@ -47,11 +48,28 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# CPython 3.11's AST constructor keeps its recursion depth in interpreter-wide state: a parse that
+# races another thread's (episodes run their env calls on a thread pool; the event loop compiles too)
+# can fail with "SystemError: AST constructor recursion depth mismatch". Calls are parsed one at a
+# time, and a parse that still meets the race is tried again: the error says nothing about the call.
+_AST_LOCK = threading.Lock()
+
+
 def parse_call(action: str) -> tuple[str, dict]:
     """``(tool, arguments)`` of one call; raises CallError saying what is wrong."""
     src = action.strip()
     if len(src) > MAX_CALL_CHARS:
         raise CallError("malformed", f"the call is over {MAX_CALL_CHARS} characters")
+    for attempt in range(3):  # the last attempt's SystemError propagates
+        try:
+            with _AST_LOCK:
+                return _parse(src)
+        except SystemError:
+            if attempt == 2:
+                raise
+
+
+def _parse(src: str) -> tuple[str, dict]:
     try:
         node = ast.parse(src, mode="eval").body
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
