@@ -3,7 +3,6 @@ removed messages are evicted in place, and what the server returns is what the t
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ import torch
 import uvicorn
 
 from compactrl.agent.chat import ChatFormat
+from compactrl.bench.serve import free_port
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
@@ -31,12 +31,6 @@ NO_EOS = {"ignore_eos": True}  # a random tiny model: every answer is exactly ma
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny", family="qwen3", seed=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

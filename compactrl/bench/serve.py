@@ -66,7 +66,7 @@ def page(agent: int, turn: int, words: int) -> str:
     return f"[page {turn} of agent {agent}] {body}."
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -101,7 +101,7 @@ def launch(
 ):
     """Start ``compactrl serve`` (or, ``kind = "vllm"``, ``vllm serve`` with prefix caching) on a free
     loopback port, serving the model as ``m``; returns the process and its URL once it answers."""
-    port = _free_port()
+    port = free_port()
     log = logs / f"{kind}.log"
     env = {**os.environ}
     if kind == "vllm":

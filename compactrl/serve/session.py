@@ -231,20 +231,21 @@ class ChatSession:
         gone = [r for i, r in enumerate(self.records) if i not in kept and not r.deleted]
         records = [self.records[i] for i in keep]
         live = [r for r in records if not r.deleted]
-        conv = self.conv.fork()
-        conv.reset([r.message() for r in live])
-        preview = conv.fork()
-        incoming = sum(len(preview.message(role, text)) for role, text in messages[k:])
-        cursors = [c for role, text in messages[k:] if (c := self._cursor(role, text)) is not None]
-        drop = self._compaction(live, incoming, cursors[0] if cursors else None)
-        if drop:
-            live = [r for r in live if r not in drop]
+        def render(live: list[Record]) -> tuple[Conversation, list]:  # the new messages after ``live``
+            conv = self.conv.fork()
             conv.reset([r.message() for r in live])
+            return conv, [(role, text, conv.message(role, text)) for role, text in messages[k:]]
+
+        conv, new = render(live)
+        cursors = [c for role, text in messages[k:] if (c := self._cursor(role, text)) is not None]
+        drop = self._compaction(live, sum(len(t) for *_, t in new), cursors[0] if cursors else None)
+        if drop:  # rendered again after what the strategy deletes
+            live = [r for r in live if r not in drop]
+            conv, new = render(live)
         cut, refeed = None, []
         if self.compaction == "reprefill" and (gone or drop):
             cut = min(r.start for r in gone + drop)
             refeed = [r for r in live if r.start > cut]
-        new = [(role, text, conv.message(role, text)) for role, text in messages[k:]]
         prompt = conv.prompt()
         plan = Plan(records, gone, drop, new, prompt, conv, cut, refeed)
         base = len(self.stream.tokens) if cut is None else cut + sum(r.end - r.start for r in refeed)
