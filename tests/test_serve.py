@@ -663,10 +663,77 @@ def test_an_evictor_session_stays_within_its_budget_and_replays(served):
     assert t.num_evicted > 0 and (replayed[m] - torch.as_tensor(t.logprobs)[m]).abs().max() < 5e-5
 
 
+def replays(server, t: Trace) -> bool:
+    """The trainer's one-pass log-probs of ``t`` equal the served ones (float32)."""
+    with torch.no_grad():
+        replayed = stream_logprobs(server.engine.model, [t])[0].double()
+    m = torch.as_tensor(t.trainable)
+    return bool((replayed[m] - torch.as_tensor(t.logprobs)[m]).abs().max() < 5e-5)
+
+
+def test_a_summary_session_writes_its_summary_in_the_stream_and_the_old_steps_go(served):
+    """summary inside a session, every 2 answers, for a client that keeps sending everything: the model
+    writes the summary in the stream (trainable, role ``summary``), the question and every step but the
+    newest go in place, the summary and its resume message stay; the trainer replays the stream. The
+    reprefill session keeps the same context, fed again in fresh segments, never evicted."""
+    server, url = served
+    c = client(url)
+    summary = {"name": "summary", "trigger": "every", "every": 2, "tail": 0, "max_tokens": 5}
+    plain = grow(c, "sum-plain", 6, {"session_id": "sum-plain"})
+    stream = grow(c, "sum-stream", 6, {"session_id": "sum-stream", "strategy": summary})
+    again = grow(
+        c, "sum-again", 6, {"session_id": "sum-again", "strategy": summary, "compaction": "reprefill"}
+    )
+    with http(url) as h:
+        got = {s: h.get(f"/v1/sessions/{s}/trace").json() for s in ("sum-stream", "sum-again")}
+    cs = server.worker.sessions["sum-stream"]
+    assert got["sum-stream"]["stats"]["compactions"] == cs.stats["compactions"] == 2  # after answers 2 and 4
+    own = [r for r in cs.records if r.own]
+    asked = [("user", "ask", True), ("assistant", "summary", False), ("user", "summary", False)]
+    assert [(r.role, r.kind, r.deleted) for r in own] == [  # the second summary takes the first's place
+        (role, kind, True) for role, kind, _ in asked
+    ] + asked
+    assert all(r.deleted for r in cs.records if r.step < 3 and not r.own and r.step >= 0)  # the old steps
+    (t,) = (Trace.from_dict(x) for x in got["sum-stream"]["traces"])
+    summaries = (np.array(t.role) == "summary") & t.trainable
+    assert (
+        summaries.sum() >= 2 and (t.evict_at[summaries] == len(t.tokens)).any()
+    )  # a summary's tokens stay live
+    assert replays(server, t) and t.num_evicted > 0
+    assert stream[-1].prompt_tokens < plain[-1].prompt_tokens  # bounded: the client sent all 6 turns
+    # the client's messages are matched (never fed again): a request feeds its new messages, plus at a
+    # compaction the question and the resume message
+    fed_plain = [u.prefilled_tokens for u in plain]
+    fed = [u.prefilled_tokens for u in stream]
+    assert [f == p for f, p in zip(fed, fed_plain)] == [True, True, False, True, False, True]
+    segments = [Trace.from_dict(x) for x in got["sum-again"]["traces"]]
+    assert len(segments) == 3 and all(s.num_evicted == 0 for s in segments)
+    assert sum(u.prefilled_tokens for u in again) > sum(fed)
+
+
+def test_a_pick_session_falls_back_to_the_newest_steps_when_the_answer_does_not_parse(served):
+    """pick inside a session over a token budget: the tiny model's answer is no KEEP list, so the
+    documented default keeps the newest steps within keep_budget; the fallback is counted; the question
+    and the answer leave the stream."""
+    server, url = served
+    c = client(url)
+    pick = {"name": "pick", "budget": 160, "keep_budget": 60, "max_tokens": 4}
+    usages = grow(c, "pick", 6, {"session_id": "pick", "strategy": pick})
+    cs = server.worker.sessions["pick"]
+    assert cs.stats["compactions"] >= 1 and cs.stats["pick_fallbacks"] == cs.stats["compactions"]
+    assert all(r.deleted for r in cs.records if r.own)
+    kept = [r for r in cs.records if not r.deleted and 0 <= r.step < cs.compacted_at]  # before the last
+    assert kept and sum(r.end - r.start for r in kept) <= 60
+    assert max(u.prompt_tokens for u in usages) <= 160 + 40  # the budget plus a request's new messages
+    with http(url) as h:
+        (row,) = h.get("/v1/sessions/pick/trace").json()["traces"]
+    assert replays(server, Trace.from_dict(row))
+
+
 @pytest.mark.parametrize(
     ("route", "body", "says"),
     [
-        ("/v1/chat/completions", {"strategy": {"name": "summary"}}, "asks the model"),
+        ("/v1/chat/completions", {"strategy": {"name": "drop_opened_search"}}, "tool"),
         ("/v1/completions", {"strategy": {"name": "sliding_window"}}, "chat messages"),
         (
             "/v1/chat/completions",

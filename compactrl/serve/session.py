@@ -14,12 +14,15 @@ messages it recorded and turns the difference into stream operations (:meth:`Cha
 Matching walks the request in order and takes, for each message, the first recorded message after
 the previous match with the same role and content; the first message with no such match ends it.
 
-A session may also compact on its own (``strategy``: a step-wise compactrl strategy that deletes
-without asking the model; ``evictor``: a token evictor), so a client that never edits its list
-still runs in bounded memory. A message the session deleted stays recorded as deleted: the client
-may keep sending it, and it is matched and stays out of the stream. Steps are as compactrl's
-strategies see them: the messages before the first answer are the protected head; step ``k`` is
-the ``k``-th answer and the messages that follow it; a tool message is a cursor.
+A session may also compact on its own (``strategy``: any step-wise compactrl strategy;
+``evictor``: a token evictor), so a client that never edits its list still runs in bounded memory.
+A message the session deleted stays recorded as deleted: the client may keep sending it, and it
+is matched and stays out of the stream. Steps are as compactrl's strategies see them: the messages
+before the first answer are the protected head; step ``k`` is the ``k``-th answer and the messages
+that follow it; a tool message is a cursor. A strategy that asks the model (``summary``, ``pick``)
+asks it in the stream at the step boundary, before the request's new messages are fed, exactly as
+a rollout does; what the session writes so (a kept summary and its resume message) is the
+session's own: the client never sends it, and it stays until the session's strategy deletes it.
 
 With ``compaction = "reprefill"`` the stream is never evicted in place: at the first message removed
 (by the client or the session's strategy) it is cut, and every kept message after it is fed again at
@@ -39,21 +42,24 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from compactrl.agent.chat import ChatFormat, Conversation
-from compactrl.compaction import Context, StepView, build_strategy
+from compactrl.compaction import Context, Decision, StepView, build_strategy
 from compactrl.compaction.sidequest import parse_deletions
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
 from compactrl.trace import NO_CURSOR
 
-# strategies a session can run on its own: they delete without asking the model to write
+# strategies a session can run on its own (drop_opened_search needs the tool that made each
+# output, which a chat client does not tell)
 SERVER_STRATEGIES = (
     "none",
     "sliding_window",
     "markovian",
+    "summary",
+    "pick",
     "evict_steps",
     "keep_last_cursors",
     "drop_unreferenced",
@@ -74,6 +80,8 @@ class Record:
     step: int  # -1: the head; k: the k-th answer and what follows it
     cursor: int | None = None  # a tool message's cursor id
     deleted: bool = False  # deleted by the session's own compaction; the client may still send it
+    kind: str = "step"  # "summary": a summary the session's strategy wrote, or its resume message
+    own: bool = False  # written by the session (a summary, a question to the model), not the client
 
     def message(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -87,8 +95,7 @@ class Plan:
     new: list[tuple[str, str, list[int]]]  # (role, content, tokens) appended
     prompt: list[int]  # the generation prompt
     conv: Conversation  # the conversation after the plan
-    cut: int | None = None  # reprefill: the stream is cut here ...
-    refeed: list[Record] = field(default_factory=list)  # ... and these kept records fed again
+    ask: tuple | None = None  # (context, groups, request): the strategy asks the model first
 
 
 @dataclass
@@ -139,6 +146,8 @@ class ChatSession:
         self.threads: list[dict] = []  # SideQuest: the auxiliary threads' traces
         self.stats = dict.fromkeys(
             (
+                "compactions",
+                "pick_fallbacks",
                 "aux_calls",
                 "aux_tokens",
                 "deleted_cursors",
@@ -164,7 +173,7 @@ class ChatSession:
                 (
                     i
                     for i in range(j, len(self.records))
-                    if (self.records[i].role, self.records[i].content) == m
+                    if not self.records[i].own and (self.records[i].role, self.records[i].content) == m
                 ),
                 None,
             )
@@ -187,31 +196,26 @@ class ChatSession:
             return int(m.group(1))
         return self.next_cursor if role == "tool" else None
 
-    def _compaction(self, live: list[Record], incoming: int, incoming_cursor: int | None) -> list[Record]:
-        """The records the session's strategy deletes at this step boundary (the answer's step, whose
-        output is still coming, stays)."""
-        if self.strategy is None or self.step < 0 or self.strategy.name == "sidequest":
-            return []
-        steps: dict[int, list[Record]] = {}
+    def _context(self, live: list[Record], incoming: int, incoming_cursor: int | None):
+        """The strategy's view at this step boundary, and each view's records. A view's index is its
+        step (a summary's: past the newest step, unique in this view)."""
+        groups: dict[tuple[int, str], list[Record]] = {}
         for r in live:
             if r.step >= 0:
-                steps.setdefault(r.step, []).append(r)
-        views = []
-        for k, rs in steps.items():
+                groups.setdefault((r.step, r.kind), []).append(r)
+        views, by_index = [], {}
+        for n, ((k, kind), rs) in enumerate(groups.items()):
+            index = k if kind == "step" else self.step + 1 + n
             cursor = next((r.cursor for r in reversed(rs) if r.cursor is not None), None)
-            if k == self.step and incoming_cursor is not None:
+            if (k, kind) == (self.step, "step") and incoming_cursor is not None:
                 cursor = incoming_cursor  # the output about to be read is this step's cursor
+            text = "\n".join(r.content for r in rs)
             views.append(
-                StepView(
-                    k,
-                    sum(len(self._live(r)) for r in rs),
-                    "\n".join(r.content for r in rs),
-                    cursor=cursor,
-                    last_used=k + 1,
-                )
+                StepView(index, sum(len(self._live(r)) for r in rs), text, kind, cursor, last_used=k + 1)
             )
+            by_index[index] = rs
         head = sum(len(self._live(r)) for r in live if r.step < 0)
-        answers = [r for r in live if r.role == "assistant"]
+        answers = [r for r in live if r.role == "assistant" and not r.own]
         ctx = Context(
             views,
             head,
@@ -220,17 +224,35 @@ class ChatSession:
             self.step - self.compacted_at,
             answers[-1].content if answers else "",
         )
+        return ctx, by_index
+
+    def _compaction(self, live: list[Record], incoming: int, incoming_cursor: int | None):
+        """What the session's strategy does at this step boundary: the records it deletes, or (for a
+        strategy that asks the model first) the question to ask: ``(context, groups, request)``."""
+        if self.strategy is None or self.step < 0 or self.strategy.name == "sidequest":
+            return [], None
+        ctx, groups = self._context(live, incoming, incoming_cursor)
         if not self.strategy.trigger(ctx):
-            return []
-        delete = set(self.strategy.plan.decide(ctx, None).delete) - {self.step}
-        return [r for r in live if r.step in delete]
+            return [], None
+        if (req := self.strategy.plan.request(ctx)) is not None:
+            return [], (ctx, groups, req)
+        return self._decided(ctx, groups, None)[0], None
+
+    def _decided(self, ctx: Context, groups: dict, answer: str | None) -> tuple[list[Record], Decision]:
+        """The strategy's decision and the records it deletes (the newest answer's step, whose output
+        is still coming, stays)."""
+        decision = self.strategy.plan.decide(ctx, answer)
+        self.stats["pick_fallbacks"] += int(decision.fallback)
+        gone = [r for i in set(decision.delete) - {self.step} for r in groups.get(i, ()) if not r.deleted]
+        return gone, decision
 
     def plan(self, messages: list[tuple[str, str]], max_tokens: int) -> Plan:
         keep, k = self._match(messages)
         kept = set(keep)
-        gone = [r for i, r in enumerate(self.records) if i not in kept and not r.deleted]
-        records = [self.records[i] for i in keep]
+        gone = [r for i, r in enumerate(self.records) if i not in kept and not r.deleted and not r.own]
+        records = [r for i, r in enumerate(self.records) if i in kept or r.own]
         live = [r for r in records if not r.deleted]
+
         def render(live: list[Record]) -> tuple[Conversation, list]:  # the new messages after ``live``
             conv = self.conv.fork()
             conv.reset([r.message() for r in live])
@@ -238,18 +260,24 @@ class ChatSession:
 
         conv, new = render(live)
         cursors = [c for role, text in messages[k:] if (c := self._cursor(role, text)) is not None]
-        drop = self._compaction(live, sum(len(t) for *_, t in new), cursors[0] if cursors else None)
+        drop, ask = self._compaction(live, sum(len(t) for *_, t in new), cursors[0] if cursors else None)
         if drop:  # rendered again after what the strategy deletes
             live = [r for r in live if r not in drop]
             conv, new = render(live)
-        cut, refeed = None, []
-        if self.compaction == "reprefill" and (gone or drop):
-            cut = min(r.start for r in gone + drop)
-            refeed = [r for r in live if r.start > cut]
         prompt = conv.prompt()
-        plan = Plan(records, gone, drop, new, prompt, conv, cut, refeed)
-        base = len(self.stream.tokens) if cut is None else cut + sum(r.end - r.start for r in refeed)
+        plan = Plan(records, gone, drop, new, prompt, conv, ask)
+        base = len(self.stream.tokens)
+        if self.compaction == "reprefill" and (gone or drop):  # cut at the first removed, the rest fed again
+            cut = min(r.start for r in gone + drop)
+            base = cut + sum(r.end - r.start for r in live if r.start > cut)
         adding = sum(len(t) for *_, t in new) + len(prompt)
+        if ask is not None:  # the question, its answer and a resume message come first
+            plan.conv = self.conv.fork()  # _ask renders the new messages after them
+            plan.conv.reset([r.message() for r in live])
+            asked = plan.conv.fork()
+            req, resume = ask[2], getattr(self.strategy.plan, "resume", "")
+            adding += len(asked.message("user", req.prompt)) + len(asked.prompt()) + req.max_tokens
+            adding += len(asked.message("user", resume)) if resume else 0
         limit = self.engine.position_limit
         if base + adding >= limit:
             raise ApiError(
@@ -279,25 +307,14 @@ class ChatSession:
         """Evict (or cut) what was removed, feed what was added (with SideQuest, its thread runs after
         the call or after the output, as ``at`` says), and the generation prompt."""
         s = self.stream
-        if plan.cut is not None:
-            self.segments.append(s.trace().to_dict())
-            old = [(r, s.tokens[r.start : r.end], s.role[r.start], s.turn[r.start], s.cursor[r.start])
-                   for r in plan.refeed]  # fmt: skip
-            usage.evicted_tokens = s.truncate(plan.cut) - sum(len(t) for _, t, *_ in old)
-            for r, toks, role, turn, cursor in old:
-                r.start = len(s.tokens)
-                s.append(toks, role=role, turn=turn, cursor=cursor)
-                r.end = len(s.tokens)
-            usage.prefilled_tokens = sum(len(t) for _, t, *_ in old)
-        elif plan.gone or plan.drop:
-            idx = [j for r in plan.gone + plan.drop for j in self._live(r)]
-            usage.evicted_tokens = s.evict(idx) if idx else 0
-        for r in plan.drop:
-            r.deleted = True
+        usage.evicted_tokens, usage.prefilled_tokens = self._remove(plan.gone + plan.drop)
         if plan.drop:
             self.compacted_at = self.step
+            self.stats["compactions"] += 1
         self.records, self.conv = plan.records, plan.conv
         usage.cached_tokens = s.live - usage.prefilled_tokens
+        if plan.ask is not None:
+            self._ask(plan, usage, temperature, seed)
         thread = self._thread_due()
         if thread == "call":  # the call is in, its output not yet
             self._side_quest(temperature, seed)
@@ -314,6 +331,82 @@ class ChatSession:
         s.append(plan.prompt, role="assistant", turn=self.turn)
         usage.prefilled_tokens += sum(len(t) for *_, t in plan.new) + len(plan.prompt)
         usage.prompt_tokens = s.live
+
+    # ---- a strategy that asks the model (summary, pick) ----------------------------------------
+    def _ask(self, plan: Plan, usage: Usage, temperature: float, seed: int | None) -> None:
+        """Ask the strategy's question in the stream, let the model answer, and apply the decision:
+        the chosen steps go with the question (and the answer, unless it is a summary that stays,
+        followed by the resume message). The request's new messages are then rendered after it."""
+        ctx, groups, req = plan.ask
+        s, conv = self.stream, self.conv
+        fed = len(s.tokens)
+        asked = self._own("user", req.prompt, conv.message("user", req.prompt), "ask")
+        self.turn += 1
+        start = len(s.tokens)
+        s.append(conv.prompt(), role=req.role, turn=self.turn)
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=list(self.fmt.stop_ids),
+        )
+        gen = s.generate(params, role=req.role, turn=self.turn)
+        self.engine.run(until=[gen])
+        if gen.error is not None:
+            raise gen.error
+        s.append(conv.close(gen.tokens), role=req.role, turn=self.turn)
+        answer = self.fmt.text(gen.tokens)
+        conv.messages[-1] = {"role": "assistant", "content": answer}
+        written = Record("assistant", answer, start, len(s.tokens), self.step, kind="summary", own=True)
+        self.records.append(written)
+        gone, decision = self._decided(ctx, groups, answer)
+        gone += [asked] + ([] if decision.keep_answer else [written])
+        if decision.keep_answer and decision.resume:
+            self._own("user", decision.resume, conv.message("user", decision.resume), "summary")
+        usage.prefilled_tokens += len(s.tokens) - fed - len(gen.tokens)  # the question, the resume
+        evicted, refed = self._remove(gone)
+        usage.evicted_tokens += evicted
+        usage.prefilled_tokens += refed
+        self.compacted_at = self.step
+        self.stats["compactions"] += 1
+        self.conv.reset([r.message() for r in self.records if not r.deleted])
+        plan.new = [(role, text, self.conv.message(role, text)) for role, text, _ in plan.new]
+        plan.prompt = self.conv.prompt()
+
+    def _own(self, role: str, text: str, toks: list[int], kind: str) -> Record:
+        """Feed a message the session writes itself (never sent by the client)."""
+        self.turn += 1
+        start = len(self.stream.tokens)
+        self.stream.append(toks, role=role, turn=self.turn)
+        r = Record(role, text, start, len(self.stream.tokens), self.step, kind=kind, own=True)
+        self.records.append(r)
+        return r
+
+    def _remove(self, gone: list[Record]) -> tuple[int, int]:
+        """Remove records from the stream: evicted in place, or (reprefill) the stream is cut at the
+        first and every kept record after it fed again. Returns the tokens evicted and fed again."""
+        s = self.stream
+        idx = [j for r in gone for j in self._live(r)]
+        for r in gone:
+            r.deleted = True
+        if not gone:
+            return 0, 0
+        if self.compaction == "stream":
+            return (s.evict(idx) if idx else 0), 0
+        cut = min(r.start for r in gone)
+        refeed = [r for r in self.records if not r.deleted and r.start > cut]
+        self.segments.append(s.trace().to_dict())
+        old = [
+            (r, s.tokens[r.start : r.end], s.role[r.start], s.turn[r.start], s.cursor[r.start])
+            for r in refeed
+        ]
+        evicted = s.truncate(cut)
+        for r, toks, role, turn, cursor in old:
+            r.start = len(s.tokens)
+            s.append(toks, role=role, turn=turn, cursor=cursor)
+            r.end = len(s.tokens)
+        refed = sum(len(t) for _, t, *_ in old)
+        return evicted - refed, refed
 
     # ---- SideQuest's thread, sequential -------------------------------------------------------
     def _thread_due(self) -> str | None:

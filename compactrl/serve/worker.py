@@ -120,8 +120,9 @@ class EngineWorker:
             if strategy is not None and strategy.name not in SERVER_STRATEGIES:
                 raise ApiError(
                     400,
-                    f"strategy {strategy.name!r} cannot run inside a session (it asks the model "
-                    f"to write); a session runs {', '.join(SERVER_STRATEGIES)}",
+                    f"strategy {strategy.name!r} cannot run inside a session (it needs the tool "
+                    f"that made each output, which chat messages do not carry); a session runs "
+                    f"{', '.join(SERVER_STRATEGIES)}",
                     "strategy",
                 )
             if strategy is not None and strategy.name == "sidequest":
