@@ -447,6 +447,66 @@ def test_metrics_and_load_weights(served, model_dir, tmp_path):
     assert 'route="other"' in text and "/no/such/route" not in text  # labels per route, not per URL
 
 
+def test_load_weights_merges_lora_adapters_over_the_base_and_each_replaces_the_last(model_dir, tmp_path):
+    """A peft adapter folder (what LoRA trainers save each step) and compactrl's lora.safetensors load
+    as the weights peft's own merge gives; a second adapter is merged over the base, not over the first
+    (the first's layers go back to the base); an adapter for other layers is refused, nothing loaded."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from compactrl.models.lora import Adapters, LoraSettings, add_lora, merged_state_dict
+
+    def peft_adapter(seed, targets, out):
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        lora = LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, use_rslora=seed == 2
+        )
+        model = get_peft_model(hf, lora)
+        model.save_pretrained(out)
+        return {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+
+    own = Engine.from_pretrained(model_dir).model  # compactrl's model with a trained-looking adapter
+    settings = LoraSettings(r=4, alpha=16, targets=("o_proj", "down_proj"))
+    add_lora(own, settings)
+    torch.manual_seed(3)
+    for name, prm in own.named_parameters():
+        if "lora_B" in name:
+            prm.data.normal_(0, 0.1)
+    save_file(
+        Adapters(own, settings).state_dict(), tmp_path / "lora.safetensors", Adapters(own, settings).metadata
+    )
+    with serving(model_dir) as (server, url), http(url) as h:
+        params = lambda: {k: v.detach().clone() for k, v in server.engine.model.named_parameters()}  # noqa: E731
+        base = params()
+        for path, expected in (
+            (tmp_path / "a1", peft_adapter(1, ["q_proj", "v_proj"], tmp_path / "a1")),
+            (tmp_path / "a2", peft_adapter(2, ["up_proj"], tmp_path / "a2")),
+            (tmp_path / "lora.safetensors", merged_state_dict(own)),
+        ):
+            r = h.post("/v1/load_weights", json={"path": str(path)})
+            assert r.status_code == 200, r.text
+            got = params()
+            changed = {k for k in got if not torch.equal(got[k], base[k])}
+            assert changed and all(torch.allclose(got[k], expected[k].float(), atol=1e-5) for k in got), path
+        bad = tmp_path / "other"
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2}))
+        key = "base_model.model.model.layers.99.self_attn.q_proj.lora_{}.weight"
+        save_file(
+            {key.format("A"): torch.ones(2, 8), key.format("B"): torch.ones(8, 2)},
+            bad / "adapter_model.safetensors",
+        )
+        r = h.post("/v1/load_weights", json={"path": str(bad)})
+        assert r.status_code == 400 and "does not have" in r.json()["error"]["message"]
+        assert all(torch.equal(v, got[k]) for k, v in params().items())
+    with serving(model_dir, thread_adapter=str(tmp_path)) as (server, url), http(url) as h:
+        for path in (model_dir, tmp_path / "a1"):  # under the thread adapter's peft-wrapped layers too
+            r = h.post("/v1/load_weights", json={"path": str(path)})
+            assert r.status_code == 200 and r.json()["loaded"] > 0, r.text
+
+
 def test_many_concurrent_sessions_with_random_removals_stay_valid_and_leave_nothing(model_dir):
     """64 agents of 20 turns, each removing random earlier messages: no error, every trace the
     trainer replays, and once the sessions are deleted the engine holds nothing."""

@@ -449,7 +449,11 @@ class Engine:
     # ---- weights and metrics -----------------------------------------------------------------
     @torch.no_grad()
     def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = {  # HF names, also under a loaded (gated) thread adapter's peft wrappers
+            k.replace(".base_layer.", "."): p
+            for k, p in self.model.named_parameters(remove_duplicate=False)
+            if "lora_" not in k
+        }
         unknown = sorted(set(state_dict) - set(params))
         if unknown:
             raise ValueError(f"update_weights got unknown tensors {unknown[:5]}; expected HF parameter names")

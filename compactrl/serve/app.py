@@ -14,6 +14,7 @@ received it, will not send back, so its next request evicts it).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
@@ -35,7 +36,8 @@ from compactrl.serve.protocol import (
     TokenizeRequest,
 )
 from compactrl.serve.responses import chat_body, chat_stream, completion_body
-from compactrl.serve.server import Server, read_weights
+from compactrl.serve.server import Server
+from compactrl.serve.weights import is_adapter, read_adapter, read_weights
 
 ROUTES = (
     "/v1/chat/completions",
@@ -180,10 +182,16 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/load_weights")
     async def load_weights(req: LoadWeightsRequest):
-        state = read_weights(Path(req.path))
+        path = Path(req.path)
+        adapter = path.exists() and is_adapter(path)
+        state = await asyncio.to_thread(read_adapter if adapter else read_weights, path)
 
         def load():
-            n = server.engine.update_weights(state)
+            if adapter:
+                n = server.engine.update_weights(server.adapters.state(state))
+            else:
+                n = server.engine.update_weights(state)
+                server.adapters.forget()
             if not req.keep_kv:
                 for s in list(server.engine.sessions):
                     if s.row is not None:

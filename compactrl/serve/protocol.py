@@ -206,8 +206,9 @@ class DetokenizeRequest(_Strict):
 
 class LoadWeightsRequest(_Strict):
     path: str = Field(
-        description="a checkpoint folder: model.safetensors (and config.json), or a LoRA "
-        "adapter checkpoint as compactrl train writes it"
+        description="a model folder (model.safetensors), a checkpoint or run folder (its merged model), "
+        "or a LoRA adapter merged over the base weights: a peft folder (adapter_config.json + "
+        "adapter_model.safetensors) or compactrl's lora.safetensors"
     )
     keep_kv: bool = Field(
         True,

@@ -9,7 +9,6 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import uvicorn
@@ -20,6 +19,7 @@ from compactrl.engine import Engine, SamplingParams
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
 from compactrl.serve.session import ChatSession, Usage
+from compactrl.serve.weights import AdapterMerger
 from compactrl.serve.worker import EngineWorker
 
 
@@ -110,6 +110,7 @@ class Server:
             load_thread_adapter(engine.model, thread_adapter)
             self.worker.thread_adapter = thread_adapter
         self.metrics = Metrics(self.worker)
+        self.adapters = AdapterMerger(engine.model)  # POST /v1/load_weights with a LoRA adapter
         self.created = int(time.time())
 
     # ---- requests to engine work --------------------------------------------------------------
@@ -216,28 +217,6 @@ class Server:
         with anyio.CancelScope(shield=True):  # also when the client has gone: the session must settle
             await self.worker.call(lambda: self.end(job, broken))
             self.metrics.count(job.usage)
-
-
-def read_weights(path: Path) -> dict:
-    """A model folder's weights (or a training checkpoint's or run folder's newest model)."""
-    from safetensors.torch import load_file
-
-    from compactrl.models.loading import checkpoint_files
-    from compactrl.rl.checkpoint import CheckpointError, resolve_checkpoint
-
-    if not path.exists():
-        raise ApiError(
-            400, f"{path} does not exist; give a model folder (model.safetensors) or a checkpoint", "path"
-        )
-    if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
-        try:
-            path = resolve_checkpoint(path) / "model"
-        except CheckpointError as e:
-            raise ApiError(400, f"{e}; or give a model folder (model.safetensors)", "path") from None
-    state = {}
-    for f in checkpoint_files(path):
-        state.update(load_file(f))
-    return state
 
 
 class GracefulServer(uvicorn.Server):
