@@ -223,6 +223,24 @@ def test_streaming_sync_and_async_deliver_what_a_plain_answer_holds(served):
     assert answers == [plain.choices[0].message.content] * 2 and streamed == answers[0]
 
 
+def test_a_streamed_text_completion_is_the_plain_one_and_a_refused_stream_frees_its_place(served):
+    server, url = served
+    c = client(url)
+    ask = dict(model="tiny", prompt=[5, 17, 99, 300], max_tokens=6, temperature=0.0, logprobs=1)
+    plain = c.completions.create(**ask, extra_body=NO_EOS | {"return_token_ids": True}).choices[0]
+    chunks = list(c.completions.create(**ask, stream=True, extra_body=NO_EOS | {"return_token_ids": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == plain.text
+    assert [t for ch in chunks for t in ch.choices[0].token_ids or []] == plain.token_ids
+    streamed_lps = [
+        x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed_lps == plain.logprobs.token_logprobs
+    assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
+    with pytest.raises(openai.APIStatusError) as e:  # past the KV pool: refused once admitted
+        list(c.completions.create(**(ask | {"max_tokens": 30_000}), stream=True))
+    assert e.value.status_code == 413 and server.worker.in_flight == 0
+
+
 def test_n_choices_fork_the_prompt_and_leave_nothing_behind(served):
     server, url = served
     before = len(server.engine.sessions)

@@ -35,7 +35,7 @@ from compactrl.serve.protocol import (
     LoadWeightsRequest,
     TokenizeRequest,
 )
-from compactrl.serve.responses import chat_body, chat_stream, completion_body
+from compactrl.serve.responses import chat_body, completion_body, stream_events
 from compactrl.serve.server import Server
 from compactrl.serve.weights import is_adapter, read_adapter, read_weights
 
@@ -206,6 +206,19 @@ def create_app(server: Server) -> FastAPI:
     def session_of(req, request: Request) -> str | None:
         return req.session_id or request.headers.get("x-session-id")
 
+    async def streamed(req, job) -> StreamingResponse:
+        events = stream_events(server, req, job)
+        first = await events.__anext__()  # started: its cleanup runs even if the client never reads
+
+        async def body():
+            yield first
+            async for e in events:
+                yield e
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
@@ -216,25 +229,17 @@ def create_app(server: Server) -> FastAPI:
         params = [server.params(req, limit, top, i) for i in range(req.n)]
         thread = (params[0].temperature, params[0].seed)  # SideQuest's thread samples as the answer does
         worker.admit()
+        handed = False  # to a stream, which frees the place when it ends
         try:
             job, futures = await server.submit(
                 sid, "chat", req, lambda cs, usage: cs.apply(cs.plan(messages, limit), usage, *thread), params
             )
             if req.stream:
-                events = chat_stream(server, req, job)
-                first = await events.__anext__()  # started: its cleanup runs even if the client never reads
-
-                async def body():
-                    yield first
-                    async for e in events:
-                        yield e
-
-                return StreamingResponse(
-                    body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-                )
+                handed = True
+                return await streamed(req, job)
             return chat_body(server, req, await server.complete(job, futures))
         finally:
-            if not req.stream:
+            if not handed:
                 worker.done()
 
     @app.post("/v1/completions")
@@ -256,6 +261,10 @@ def create_app(server: Server) -> FastAPI:
             raise ApiError(
                 400, "a session continues one stream: send one prompt per request with a session_id", "prompt"
             )
+        if req.stream and len(prompts) > 1:
+            raise ApiError(
+                400, "a streamed completion takes one prompt: send one request per prompt", "prompt"
+            )
         ids = []
         for p in prompts:
             t = server.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
@@ -274,6 +283,7 @@ def create_app(server: Server) -> FastAPI:
         jobs = []
         for prompt in ids:
             worker.admit()
+            handed = False
             try:
                 job, futures = await server.submit(
                     sid,
@@ -282,9 +292,13 @@ def create_app(server: Server) -> FastAPI:
                     lambda cs, usage, prompt=prompt: cs.sync_tokens(prompt, req.max_tokens, usage),
                     params,
                 )
+                if req.stream:
+                    handed = True
+                    return await streamed(req, job)
                 jobs.append(await server.complete(job, futures))
             finally:
-                worker.done()
+                if not handed:
+                    worker.done()
         return completion_body(server, req, jobs, ids)
 
     return app

@@ -1,4 +1,4 @@
-"""OpenAI response bodies: chat and text completions, their log-probs, and the chat stream as
+"""OpenAI response bodies: chat and text completions, their log-probs, and their streams as
 server-sent events."""
 
 from __future__ import annotations
@@ -148,17 +148,20 @@ def _versions(*jobs: Job) -> dict:
     return {"weights_version": max(versions), "weights_version_first": min(versions)}
 
 
-async def chat_stream(server: Server, req: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:
-    """Server-sent events: a role delta, content deltas as tokens arrive (held back while they could
-    still turn into a stop string, or end in a partial UTF-8 character), the finish, the usage."""
+async def stream_events(
+    server: Server, req: ChatCompletionRequest | CompletionRequest, job: Job
+) -> AsyncIterator[str]:
+    """Server-sent events: (chat: a role delta,) text deltas as tokens arrive (held back while they
+    could still turn into a stop string, or end in a partial UTF-8 character), the finish, the usage."""
     worker = server.worker
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    chat = isinstance(req, ChatCompletionRequest)
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     hold = max((len(s) for s in req.stops()), default=1) - 1
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {
             "id": rid,
-            "object": "chat.completion.chunk",
+            "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
             "model": server.model_name,
             "choices": choices,
@@ -173,17 +176,18 @@ async def chat_stream(server: Server, req: ChatCompletionRequest, job: Job) -> A
     finished = [False] * len(job.gens)
     broken = False
     try:
-        yield chunk(
-            [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(len(job.gens))
-            ]
-        )
+        if chat:
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(len(job.gens))
+                ]
+            )
         while not all(finished):
             for i, g in enumerate(job.gens):
                 if finished[i]:
@@ -196,16 +200,19 @@ async def chat_stream(server: Server, req: ChatCompletionRequest, job: Job) -> A
                     text = text.rstrip("\ufffd")
                 delta = text[len(sent_text[i]) :] if text.startswith(sent_text[i]) else ""
                 new_tokens = n > sent_tokens[i]
-                if delta or (new_tokens and req.logprobs) or done:
+                if delta or (new_tokens and req.logprobs is not None) or done:
                     c = {
                         "index": i,
-                        "delta": {"content": delta} if delta else {},
+                        **({"delta": {"content": delta} if delta else {}} if chat else {"text": delta}),
                         "logprobs": None,
                         "finish_reason": FINISH[g.finish_reason] if done else None,
                     }
-                    if req.logprobs and new_tokens:
-                        c["logprobs"] = _chat_logprobs(
-                            server, g, sent_tokens[i], n, req.return_tokens_as_token_ids
+                    as_ids = req.return_tokens_as_token_ids
+                    if chat and req.logprobs and new_tokens:
+                        c["logprobs"] = _chat_logprobs(server, g, sent_tokens[i], n, as_ids)
+                    elif not chat and req.logprobs is not None and new_tokens:
+                        c["logprobs"] = _text_logprobs(
+                            server, g, sent_tokens[i], n, as_ids, len(sent_text[i])
                         )
                     if req.return_token_ids and new_tokens:
                         c["token_ids"] = list(g.tokens[sent_tokens[i] : n])
