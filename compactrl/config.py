@@ -59,7 +59,8 @@ def _default_names(model: type[pydantic.BaseModel], data: dict) -> dict:
     for key, field in model.model_fields.items():
         default = field.default
         if isinstance(data.get(key), dict) and isinstance(default, pydantic.BaseModel):
-            if "name" in type(default).model_fields and "name" not in data[key]:
+            named = "name" in data[key] or "import" in data[key]  # an env by import path names none
+            if "name" in type(default).model_fields and not named:
                 data[key] = {"name": default.name, **data[key]}
             _default_names(type(default), data[key])
     return data
@@ -73,7 +74,8 @@ def _variants(annotation: Any) -> dict[str, type[pydantic.BaseModel]]:
         if typing.get_origin(m) in (typing.Annotated, typing.Union, types.UnionType):
             out |= _variants(m)
         elif isinstance(m, type) and issubclass(m, pydantic.BaseModel) and "name" in m.model_fields:
-            out[m.model_fields["name"].default] = m
+            if m.model_fields["name"].default:  # (an env by import path is no named variant)
+                out[m.model_fields["name"].default] = m
     return out
 
 

@@ -27,7 +27,7 @@ from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.compaction.sidequest import deletion_scores
 from compactrl.engine import Engine, EngineConfig
-from compactrl.envs import EnvConfig, RoomsConfig, make_env
+from compactrl.envs import ENV_FIELD, EnvConfig, RoomsConfig, make_env
 from compactrl.models.loading import DTYPES
 from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tokenizer import Tokenizer
@@ -79,7 +79,7 @@ class RolloutConfig(BaseModel):
 
     model: ModelSource = ModelSource()
     engine: EngineConfig = EngineConfig()
-    env: EnvConfig = RoomsConfig()
+    env: EnvConfig = Field(RoomsConfig(), description=ENV_FIELD)
     strategy: StrategyConfig = SlidingWindow()
     evictor: EvictorConfig | None = Field(
         None,

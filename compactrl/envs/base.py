@@ -14,7 +14,26 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pydantic import BaseModel, ConfigDict, Field
+
 HELD_OUT_SEED = 10**9  # held-out evaluation episodes use seeds from here on; training seeds stay below
+PRECEDENCE = "'' = no system message; the run's rollout.system, when set, overrides this"
+
+
+class EnvSettings(BaseModel):
+    """An env's ``[env]`` table: ``name`` picks the env; the other fields are its keyword arguments.
+    An env class names its own as ``Config`` (else they are read from its ``__init__`` signature)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def no_system(why: str, suggested: str):
+    """The ``system`` field of an env whose default is no system message (tiny-model studies)."""
+    return Field(
+        None,
+        description=f"system message (default: none, {why}; {PRECEDENCE}). For an instruct model, "
+        f"e.g. {suggested!r}",
+    )
 
 
 @dataclass

@@ -12,15 +12,26 @@ from __future__ import annotations
 
 import difflib
 import random
+from typing import Literal
 
-from compactrl.envs.base import Reset, Step
+from pydantic import Field
+
+from compactrl.envs.base import EnvSettings, Reset, Step, no_system
 
 # No system message by default: the quickstart's tiny model learns these exact streams from scratch,
 # and the task message already says what to reply. For an instruct model, e.g. this:
 SUGGESTED_SYSTEM = "You continue a count. Reply with only the next number, in digits, and nothing else."
 
 
+class CountConfig(EnvSettings):
+    name: Literal["count"] = "count"
+    turns: int = Field(6, ge=1, description="turns per episode, one number each")
+    action_tokens: int = Field(4, ge=1, description="max tokens per answer")
+    system: str | None = no_system("the quickstart trains on these exact streams", SUGGESTED_SYSTEM)
+
+
 class CountEnv:
+    Config = CountConfig
     name = "count"
 
     def __init__(self, turns: int = 6, action_tokens: int = 4, system: str | None = None):

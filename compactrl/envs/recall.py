@@ -24,8 +24,11 @@ import functools
 import random
 import re
 from dataclasses import dataclass
+from typing import Literal
 
-from compactrl.envs.base import Reset, Step
+from pydantic import Field
+
+from compactrl.envs.base import EnvSettings, Reset, Step, no_system
 
 FRUITS = ("apple", "banana", "mango", "orange", "pineapple")
 ACTORS = ("Kathryn Erbe", "Kevin Bacon", "Naomi Watts", "Nicole Kidman", "Toni Collette")
@@ -91,7 +94,28 @@ def _observations(kind: str, candidates: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(_observation(kind, a, n) for a in (*candidates, None) for n in START)
 
 
+class RecallConfig(EnvSettings):
+    name: Literal["recall"] = "recall"
+    k: int = Field(64, ge=16, le=512, description="integer tokens decoded between assignment and question")
+    variant: Literal[tuple(VARIANTS)] = Field(  # type: ignore[valid-type]
+        "fruit",
+        description="the candidates and question (the paper's appendix D): fruit; prompt-generalisation "
+        "(the paper's other question); zero-support (five fruits and television, only the fruits listed); "
+        "actor, actor-unlisted; tv-shows-unlisted (five TV shows, none listed)",
+    )
+    answer_tokens: int = Field(16, ge=1, description="max tokens of the answer to the question")
+    prior_demos: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of demonstrations with no assignment, answered with a "
+        "uniformly drawn candidate: a warm-up prior to guess uniformly when the assignment is not visible",
+    )
+    system: str | None = no_system("the recall study trains on these exact streams", SUGGESTED_SYSTEM)
+
+
 class RecallEnv:
+    Config = RecallConfig
     name = "recall"
 
     def __init__(

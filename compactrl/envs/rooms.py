@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Literal
 
-from compactrl.envs.base import Reset, Step
+from pydantic import Field
+
+from compactrl.envs.base import EnvSettings, Reset, Step, no_system
 
 WORDS = (
     "amber basil cedar delta ember fable garnet harbor indigo jasper kettle lumen maple nectar onyx "
@@ -33,7 +36,19 @@ SUGGESTED_SYSTEM = (
 )
 
 
+class RoomsConfig(EnvSettings):
+    name: Literal["rooms"] = "rooms"
+    n_rooms: int = Field(20, ge=1, description="rooms walked through, one per turn (the episode length)")
+    query_room: int = Field(1, ge=1, description="room whose code word the last door asks for (1: the first)")
+    filler: int = Field(8, ge=0, description="description items per room (observation length)")
+    action_tokens: int = Field(8, ge=1, description="max tokens per reply")
+    system: str | None = no_system(
+        "bench modes and configs/train/rooms_window.toml run these exact streams", SUGGESTED_SYSTEM
+    )
+
+
 class RoomsEnv:
+    Config = RoomsConfig
     name = "rooms"
 
     def __init__(

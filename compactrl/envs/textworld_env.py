@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -25,9 +26,11 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from compactrl.envs.base import HELD_OUT_SEED, Reset, Step
+from pydantic import Field, model_validator
+
+from compactrl.envs.base import HELD_OUT_SEED, PRECEDENCE, EnvSettings, Reset, Step
 
 DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
     "coin_collector": {"level": 1},
@@ -121,7 +124,46 @@ def game_command(action: str) -> str:
     return line or "look"
 
 
+class TextWorldConfig(EnvSettings):
+    name: Literal["textworld"] = "textworld"
+    challenge: Literal[CHALLENGES] = Field(  # type: ignore[valid-type]
+        "coin_collector", description="the TextWorld generator of the games; the episode seed picks the game"
+    )
+    settings: dict[str, Any] = Field(
+        {}, description="the generator's settings over its defaults, e.g. {level = 2} (see DEFAULT_SETTINGS)"
+    )
+    cache_dir: str = Field(
+        "~/.cache/compactrl/textworld",
+        description="where games are compiled and kept, one per (challenge, settings, seed)",
+    )
+    games: int | None = Field(
+        None,
+        ge=1,
+        description="train on a fixed pool of this many games: a training seed plays game seed % games "
+        "(compiled once, cached); held-out evaluation seeds (>= 10^9) play games outside the pool. "
+        "Unset: every seed is its own game (a new game costs 2-10 s to compile)",
+    )
+    list_commands: bool = Field(True, description="each observation ends with the admissible commands")
+    match_commands: bool = Field(
+        False,
+        description="a reply that is not an admissible command but names one as whole words "
+        "(\"I'll go west\") plays that command; off: the reply's first line is played as written",
+    )
+    system: str | None = Field(
+        SYSTEM,
+        description=f"system message (default: {SYSTEM!r}; with list_commands = false: "
+        f"{SYSTEM_UNLISTED!r}; {PRECEDENCE})",
+    )
+
+    @model_validator(mode="after")
+    def _installed(self):
+        if importlib.util.find_spec("textworld") is None:
+            raise ValueError("the textworld env needs its package: pip install 'compactrl[textworld]'")
+        return self
+
+
 class TextWorldEnv:
+    Config = TextWorldConfig
     name = "textworld"
 
     def __init__(

@@ -41,7 +41,7 @@ from compactrl.cluster import ClusterConfig, connect
 from compactrl.compaction import SideQuestConfig, SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.engine import EngineConfig
-from compactrl.envs import CountConfig, EnvConfig, make_env
+from compactrl.envs import ENV_FIELD, CountConfig, EnvConfig, make_env
 from compactrl.envs.base import HELD_OUT_SEED
 from compactrl.models.loading import load_model, save_model
 from compactrl.models.lora import Adapters, gate_adapters, load_thread_adapter
@@ -101,7 +101,7 @@ class TrainConfig(BaseModel):
 
     model: ModelSource = ModelSource()
     engine: EngineConfig = EngineConfig()
-    env: EnvConfig = CountConfig()
+    env: EnvConfig = Field(CountConfig(), description=ENV_FIELD)
     strategy: StrategyConfig = SlidingWindow(max_turns=3)
     evictor: EvictorConfig | None = Field(
         None,

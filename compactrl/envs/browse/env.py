@@ -18,8 +18,11 @@ import ast
 import random
 import threading
 from collections import Counter
+from typing import Literal
 
-from compactrl.envs.base import Reset, Step
+from pydantic import Field, model_validator
+
+from compactrl.envs.base import PRECEDENCE, EnvSettings, Reset, Step
 from compactrl.envs.browse.questions import Question, draw_question, normalise
 from compactrl.envs.browse.solver import needed_cursors, next_action
 from compactrl.envs.browse.tools import Output, corpus
@@ -106,7 +109,32 @@ def _check(tool: str, args: dict) -> None:
             raise CallError("malformed", "cite must be a list of cursor ids: cite=[0, 2]")
 
 
+class BrowseConfig(EnvSettings):
+    name: Literal["browse"] = "browse"
+    world_size: int = Field(
+        120,
+        ge=30,
+        le=2000,
+        description="pages (entities) in each generated world; episode seed s plays world s, whose names "
+        "never occur in a held-out world (seeds >= 10^9)",
+    )
+    min_hops: int = Field(2, ge=2, le=6, description="fewest pages a question needs read (supporting pages)")
+    max_hops: int = Field(
+        4, ge=2, le=6, description="most pages a question needs read; each seed draws its count in between"
+    )
+    results: int = Field(5, ge=3, le=20, description="results per search (a chain's first page ranks top 3)")
+    action_tokens: int = Field(64, ge=8, description="max tokens per tool call")
+    system: str | None = Field(SYSTEM, description=f"system message (default: {SYSTEM!r}; {PRECEDENCE})")
+
+    @model_validator(mode="after")
+    def _hops(self):
+        if self.min_hops > self.max_hops:
+            raise ValueError(f"min_hops ({self.min_hops}) is over max_hops ({self.max_hops})")
+        return self
+
+
 class BrowseEnv:
+    Config = BrowseConfig
     name = "browse"
 
     def __init__(
