@@ -23,11 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import NON_COMPLETION, Episode, EpisodeResult, RolloutSettings
+from compactrl.agent.served import run_agent_episodes
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
 from compactrl.compaction.sidequest import deletion_scores
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import ENV_FIELD, EnvConfig, RoomsConfig, make_env
+from compactrl.envs.agent import AgentEnv
 from compactrl.models.loading import DTYPES
 from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tokenizer import Tokenizer
@@ -134,6 +136,20 @@ def load_engine(src: ModelSource, engine: EngineConfig, run_dir: Path, weights: 
     return Engine(model, Tokenizer.from_dir(folder), engine)
 
 
+def _probe(make: Callable[[], object]) -> object | None:
+    """An env made and closed, to tell an agent env from a reset/step one (None if it fails: each
+    episode then records the failure)."""
+    try:
+        env = make()
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
 async def run_episodes(
     engine: Engine,
     fmt: ChatFormat,
@@ -152,6 +168,13 @@ async def run_episodes(
     (default: the env seeds) seed the sampling, so a group of rollouts can share an env seed;
     ``demo``: the env writes every answer (SFT demonstrations, rendered as rollouts are)."""
     sample_seeds = seeds if sample_seeds is None else sample_seeds
+    probe = _probe(make)
+    if isinstance(probe, AgentEnv):  # the agent drives its episodes, through an in-process server
+        if demo:
+            raise ValueError("an agent env has no demonstrations; train it with rl (sft_steps = 0)")
+        return await run_agent_episodes(
+            engine, fmt, probe, strategy, mode, settings, seeds, concurrency, advance, sample_seeds, evictor
+        )
     gate = asyncio.Semaphore(concurrency)
     # one worker per episode in flight, each of which waits on one env call at a time: no call queues
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="env")

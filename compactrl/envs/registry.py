@@ -10,12 +10,16 @@ by its ``__init__`` signature's annotations.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import sys
 import typing
 import warnings
 from functools import cache
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationError, create_model, model_validator
@@ -23,21 +27,42 @@ from pydantic import Discriminator, Field, Tag, ValidationError, create_model, m
 from compactrl.envs.base import Env, EnvSettings
 
 GROUP = "compactrl.envs"
-BUILT_IN = ("browse", "count", "recall", "rooms", "textworld")
+BUILT_IN = ("agent", "browse", "count", "recall", "rooms", "textworld")
 
 
-def load_class(path: str) -> type:
-    """``"pkg.module:Name"`` -> the object; a ValueError that says what is wrong and how to write it."""
-    module, _, attr = path.partition(":")
+def load_class(path: str) -> Any:
+    """``"pkg.module:Name"`` (importable) or ``"path/to/file.py:Name"`` -> the object; a ValueError
+    that says what is wrong and how to write it."""
+    module, _, attr = path.rpartition(":")
     if not module or not attr:
-        raise ValueError(f"import path {path!r} is not 'package.module:Name'")
+        raise ValueError(f"import path {path!r} is not 'package.module:Name' (or 'file.py:Name')")
     try:
-        obj = importlib.import_module(module)
+        if module.endswith(".py"):
+            obj = _load_file(Path(module).expanduser())
+        else:
+            obj = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot import {path!r}: {type(e).__name__}: {e}") from None
     return obj
+
+
+def _load_file(path: Path):
+    """A Python file as a module (once per file), so a config may name code that is not a package."""
+    if not path.is_file():
+        raise ImportError(f"{path} does not exist")
+    name = f"compactrl_user_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def settings_model(cls: type, name: str | None) -> type[EnvSettings]:
