@@ -88,13 +88,42 @@ async def flaky(client, task):
 
 def not_async(client, task):
     return 1.0
+
+
+class PagesEnv:
+    """A user's tool env: each call opens the next page (a cursor); the fifth page ends it."""
+
+    name = "pages"
+
+    def reset(self, seed):
+        from compactrl.envs import Reset
+
+        self.k, self.seed = 0, seed
+        return Reset(task="Read every page.", max_tokens=4)
+
+    def step(self, action):
+        from compactrl.envs import Step
+
+        self.k += 1
+        text = f"[Cursor {self.k - 1}] Page {self.k - 1} of book {self.seed}: the river bends north."
+        return Step(text, float(self.k == 5), self.k == 5, {"cursor": self.k - 1, "tool": "open"}, 4)
+
+    def close(self):
+        pass
+
+
+async def paged(client, task):
+    from compactrl.envs.registry import load_class
+
+    harness = load_class("{examples}/browse_agent.py:harness")
+    return await harness(client, PagesEnv(), task["seed"], window=2, max_turns=16)
 '''
 
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
     path = tmp_path_factory.mktemp("agents") / "agents.py"
-    path.write_text(AGENTS)
+    path.write_text(AGENTS.replace("{examples}", str(EXAMPLE.parent)))
     return path
 
 
@@ -147,6 +176,21 @@ def test_an_agents_own_edits_are_evictions_in_place_that_the_trainer_replays(age
     assert [ep[3] > keep[3] for ep, keep in zip(fed["summaries"], fed["keeps"])] == [True, True]
     drops = runs["drops"][2]
     assert all(t.num_evicted > 0 for t in drops)
+
+
+def test_a_harness_that_drops_old_tool_outputs_is_the_built_in_cursor_rule_token_for_token(agents, tmp_path):
+    """The browse example's harness (keep the newest 2 tool outputs, each with its call) around a tool env,
+    against the same env run by compactrl's rollout under keep_last_cursors: at temperature 1 with the
+    same seeds, the same tokens, the same evictions at the same places, the same log-probs. This is the
+    server's diffing, checked against KV-streams."""
+    n = ["episodes=3", "concurrency=3"]
+    rule = ["mode=stream", "strategy.name=keep_last_cursors", "strategy.n=2", f"env.import={agents}:PagesEnv"]
+    _, _, built_in = run(tmp_path, "rule", *n, *rule)
+    _, rows, served = run(tmp_path, "harness", *n, "mode=full", *agent_env(agents, "paged"))
+    assert [r["reward"] for r in rows] == [1.0] * 3 and all(r["evicted_tokens"] > 0 for r in rows)
+    for x, y in zip(built_in, served, strict=True):
+        assert x.tokens.tolist() == y.tokens.tolist() and x.evict_at.tolist() == y.evict_at.tolist()
+        assert x.num_evicted > 0 and np.abs(x.logprobs[x.trainable] - y.logprobs[y.trainable]).max() < 1e-5
 
 
 def test_a_server_side_strategy_applies_on_top_of_the_agents_own_list(agents, tmp_path):

@@ -51,14 +51,12 @@ class SessionTransport(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
 
-def _reward(out) -> tuple[float, dict]:
-    if isinstance(out, AgentResult):
-        reward, info = out.reward, dict(out.info)
-    else:
-        reward, info = out, {}
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+def _result(out) -> AgentResult:
+    result = out if isinstance(out, AgentResult) else AgentResult(out)
+    r = result.reward
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
         raise ValueError(f"the agent returned {out!r}; return a finite number (the reward) or an AgentResult")
-    return float(reward), info
+    return result
 
 
 def _peak_live(t: Trace) -> int:
@@ -130,10 +128,9 @@ async def run_agent_episodes(
                 try:
                     task = env.task(seed)
                     result.info["task"] = task
-                    result.reward, info = _reward(
-                        await asyncio.wait_for(env.agent(client, task), env.timeout_s)
-                    )
-                    result.info |= info
+                    out = _result(await asyncio.wait_for(env.agent(client, task), env.timeout_s))
+                    result.reward, result.truncated = float(out.reward), out.truncated
+                    result.info |= out.info
                 except TimeoutError:
                     result.error = f"the agent did not return within timeout_s = {env.timeout_s:g} s"
                 except Exception as e:  # noqa: BLE001 - an agent's failure ends its own episode only

@@ -31,6 +31,7 @@ class AgentResult:
 
     reward: float
     info: dict[str, Any] = field(default_factory=dict)  # kept with the episode's metrics
+    truncated: bool = False  # the agent ran out of turns (a non-completion, as a rollout's turn limit)
 
 
 class AgentConfig(EnvSettings):
