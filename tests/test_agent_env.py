@@ -242,3 +242,13 @@ def test_a_tasks_file_plays_line_seed_mod_n(agents, tmp_path):
     env = AgentEnv(f"{agents}:keeps", str(tmp_path / "t.jsonl"), str(tmp_path / "e.jsonl"))
     assert [env.task(s) for s in (0, 1, 2)] == [{"q": "a"}, {"q": "b"}, {"q": "a"}]
     assert env.task(10**9 + 5) == "held out"
+
+
+@pytest.mark.parametrize("name", ["count_agent", "browse_agent"])
+def test_each_examples_config_trains(name, tmp_path):
+    from compactrl.rl.loop import TrainConfig, train
+
+    sets = [f"out={tmp_path}", "steps=1", "prompts=2", "group_size=2", "model.path=", "threads=1"]
+    cfg = load_config(TrainConfig, EXAMPLE.parent / f"{name}.toml", sets)
+    last = train(cfg)
+    assert last["step"] == 1 and last["errors"] == 0
