@@ -316,6 +316,9 @@ def serve_cmd(
         Path | None,
         typer.Option(help="A SideQuest thread adapter checkpoint, for sessions running sidequest."),
     ] = None,
+    tool_call_parser: Annotated[
+        str, typer.Option(help="hermes | llama3_json | none: how tool calls are read from answers.")
+    ] = "hermes",
 ) -> None:
     """An OpenAI-compatible server whose sessions keep one KV stream (removed messages evicted in place)."""
     import torch
@@ -325,6 +328,7 @@ def serve_cmd(
 
         from compactrl.serve.app import create_app
         from compactrl.serve.server import GracefulServer, Server
+        from compactrl.serve.tools import PARSER_NAMES
     except ImportError as e:
         fail(f"{e.name} is missing: pip install 'compactrl[serve]'")
     if not (model_dir / "config.json").exists():
@@ -344,6 +348,8 @@ def serve_cmd(
         fail(f"--session-ttl must be > 0 seconds, got {session_ttl}")
     if chat_rewrites not in ("error", "keep"):
         fail(f"--chat-rewrites {chat_rewrites!r} is not one of error, keep")
+    if tool_call_parser not in PARSER_NAMES:
+        fail(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(PARSER_NAMES)}")
     from compactrl.engine import Engine, EngineConfig
 
     torch.set_num_threads(threads)
@@ -363,6 +369,7 @@ def serve_cmd(
             max_queue=max_queue,
             chat_rewrites=chat_rewrites,
             thread_adapter=None if thread_adapter is None else str(thread_adapter),
+            tool_parser=tool_call_parser,
         )
     except (ValueError, OSError) as e:
         fail(f"{model_dir}: {e}")

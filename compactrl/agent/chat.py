@@ -23,6 +23,7 @@ incrementally; ``rewrites`` says what to do:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,6 +34,11 @@ from compactrl.models.tokenizer import Tokenizer
 REWRITES = ("error", "keep")
 PAD_UNITS = (" .", " ,", " -", "\n", " ~")  # fillers Conversation.padded tries, in order
 _MARK = "\ue000compactrl-content\ue000"  # a private-use marker that locates content inside a render
+
+
+def _key(m: dict[str, Any]) -> tuple | str:
+    """A hashable form of a message (its template fields too: tool calls, a tool message's call id)."""
+    return (m["role"], m["content"]) if len(m) == 2 else json.dumps(m, sort_keys=True)
 
 
 class ChatTemplateError(ValueError):
@@ -147,7 +153,7 @@ class Conversation:
 
     def _render(self, *extra: dict[str, str], gen: bool = False) -> str:
         """The template's rendering of the context plus ``extra`` messages (memoised)."""
-        key = (tuple((m["role"], m["content"]) for m in extra), gen)
+        key = (tuple(_key(m) for m in extra), gen)
         if key not in self._memo:
             self._memo[key] = self.fmt.render([*self._context(), *extra], gen)
         return self._memo[key]
@@ -158,10 +164,13 @@ class Conversation:
         self.messages.append(m)
         self._memo = {((), False): base}  # the new context's rendering; the rest is stale
 
-    def message(self, role: str, text: str, record: bool = True) -> list[int]:
+    def message(
+        self, role: str, text: str, record: bool = True, extra: dict[str, Any] | None = None
+    ) -> list[int]:
         """Tokens of a whole message (system, user, tool, or a scripted assistant one); with
-        ``record=False`` only what they would be, the conversation unchanged."""
-        m = {"role": role, "content": text}
+        ``record=False`` only what they would be, the conversation unchanged. ``extra``: the template's
+        other fields of the message (``tool_calls``, ``tool_call_id``, ``name``)."""
+        m = {"role": role, "content": text, **(extra or {})}
         added = _diff(self._render(), self._render(m), f"message {len(self.messages)} ({role}) is added")
         if record:
             self._record(m)
@@ -172,7 +181,7 @@ class Conversation:
         longest of ``variants`` (the texts it could have been) would. An evicted message leaves a gap
         in the positions that a model can read through RoPE; padded, its length says nothing about
         which variant it was."""
-        key = (tuple((m["role"], m["content"]) for m in self._context()), role, tuple(variants))
+        key = (tuple(_key(m) for m in self._context()), role, tuple(variants))
         if key not in self.fmt._longest:
             self.fmt._longest[key] = max(len(self.message(role, v, record=False)) for v in variants)
         target = self.fmt._longest[key]

@@ -145,7 +145,7 @@ def create_app(server: Server) -> FastAPI:
         tok = server.engine.tokenizer
         if req.messages is not None:  # what a new session would feed: each message as the template adds it
             conv = server.fmt.conversation()
-            ids = [t for m in req.messages for t in conv.message(m.role, m.text())]
+            ids = [t for m in req.messages for t in conv.message(m.role, m.text(), extra=m.extra())]
             ids += conv.prompt() if req.add_generation_prompt else []
         else:
             ids = [tok.bos_token_id] if req.add_special_tokens and tok.bos_token_id is not None else []
@@ -223,7 +223,7 @@ def create_app(server: Server) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
         sid = session_of(req, request)
-        messages = [(m.role, m.text()) for m in req.messages]
+        messages = [(m.role, m.text(), m.extra()) for m in req.messages]
         limit = req.limit() or server.engine.position_limit
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = [server.params(req, limit, top, i) for i in range(req.n)]

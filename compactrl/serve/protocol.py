@@ -1,9 +1,9 @@
 """The OpenAI wire format the server speaks (and vLLM's extensions RL clients rely on), as pydantic
 models: what a request may say, checked before any work starts, and the OpenAI-style error body.
 
-Fields OpenAI defines that this server does not implement (penalties, logit bias, tools, structured
-output) are accepted only at their neutral value, so a client that sends a default is served and a
-client that relies on one is told so, instead of being silently ignored."""
+Fields OpenAI defines that this server does not implement (penalties, logit bias, structured output,
+a forced ``tool_choice``) are accepted only at their neutral value, so a client that sends a default
+is served and a client that relies on one is told so, instead of being silently ignored."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.compaction import StrategyConfig
 from compactrl.compaction.evictors import EvictorConfig
+from compactrl.serve.tools import template_calls
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -57,12 +58,36 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None  # a streamed call's index, which some clients keep
+
+
+class Function(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     refusal: str | None = None
 
     def text(self) -> str:
@@ -71,13 +96,21 @@ class ChatMessage(_Strict):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def extra(self) -> dict[str, Any]:
+        """The template's fields besides role and content: an assistant message's tool calls, a tool
+        message's call id and name."""
+        if self.tool_calls:
+            return {"tool_calls": template_calls([c.model_dump() for c in self.tool_calls])}
+        if self.role == "tool":
+            return {
+                k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None
+            }
+        return {}
+
     @model_validator(mode="after")
     def _supported(self):
-        if self.tool_calls:
-            raise ValueError(
-                "messages with tool_calls are not supported: this server renders role and "
-                "content with the model's chat template; put the call in the content"
-            )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
         if self.role == "developer":  # OpenAI's newer name for the system role
             self.role = "system"
         return self
@@ -140,18 +173,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # accepted, not enforced: the model writes as many calls as it writes
     parallel_tool_calls: bool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat(self):
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(
-                "tools are not supported: this server returns the model's text; parse calls "
-                "from the content in your agent"
-            )
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format other than {'type': 'text'} is not supported")
         if self.top_logprobs and not self.logprobs:
@@ -164,6 +193,10 @@ class ChatCompletionRequest(_Sampling):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_list(self) -> list[dict] | None:
+        """The tools as the template gets them (OpenAI's dicts), None when there are none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(_Sampling):

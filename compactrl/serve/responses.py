@@ -12,6 +12,7 @@ from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from compactrl.serve.server import Job, Server
 from compactrl.serve.session import ChatSession, Usage
+from compactrl.serve.tools import PARSERS
 
 # the engine's finish reasons as OpenAI reports them (vLLM's "abort" for a cancelled stream)
 FINISH = {"stop": "stop", "length": "length", "position_limit": "length", "abort": "abort", "error": "error"}
@@ -65,12 +66,13 @@ def chat_body(server: Server, req: ChatCompletionRequest, job: Job) -> dict:
             if req.logprobs
             else None
         )
+        reply = server.reply(job, i)
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", **(reply or {"content": text})},
                 "logprobs": lp,
-                "finish_reason": FINISH[g.finish_reason],
+                "finish_reason": "tool_calls" if reply else FINISH[g.finish_reason],
                 **_choice_tokens(req, g),
             }
         )
@@ -152,11 +154,16 @@ async def stream_events(
     server: Server, req: ChatCompletionRequest | CompletionRequest, job: Job
 ) -> AsyncIterator[str]:
     """Server-sent events: (chat: a role delta,) text deltas as tokens arrive (held back while they
-    could still turn into a stop string, or end in a partial UTF-8 character), the finish, the usage."""
+    could still turn into a stop string, or end in a partial UTF-8 character), the finish, the usage.
+    With tools, text from where a call could start is held back too; an answer's calls come as one
+    delta with its finish (``tool_calls``), an answer without calls gets the rest of its text then."""
     worker = server.worker
     chat = isinstance(req, ChatCompletionRequest)
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     hold = max((len(s) for s in req.stops()), default=1) - 1
+    parser = PARSERS[server.tool_parser] if job.tools else None
+    if parser:
+        hold = max(hold, len(parser.tag) - 1)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {
@@ -195,17 +202,29 @@ async def stream_events(
                 done = g.done
                 n = len(g.tokens)
                 text = server.text(g) if done else server.fmt.text(g.tokens[:n])
-                if not done:
-                    text = text[: len(text) - hold] if hold else text
+                reply = server.reply(job, i) if done and parser else None
+                if reply:
+                    text = reply["content"] or ""
+                elif not done:
+                    at = parser.split(text) if parser else None
+                    if at is not None:  # a call may have started: what precedes it, as its content will be
+                        text = text[:at].rstrip()
+                    else:
+                        text = text[: len(text) - hold] if hold else text
+                        text = text.rstrip() if parser else text
                     text = text.rstrip("\ufffd")
                 delta = text[len(sent_text[i]) :] if text.startswith(sent_text[i]) else ""
                 new_tokens = n > sent_tokens[i]
                 if delta or (new_tokens and req.logprobs is not None) or done:
+                    d = {"content": delta} if delta else {}
+                    if reply:
+                        d["tool_calls"] = [{"index": k, **c} for k, c in enumerate(reply["tool_calls"])]
+                    finish = None if not done else "tool_calls" if reply else FINISH[g.finish_reason]
                     c = {
                         "index": i,
-                        **({"delta": {"content": delta} if delta else {}} if chat else {"text": delta}),
+                        **({"delta": d} if chat else {"text": delta}),
                         "logprobs": None,
-                        "finish_reason": FINISH[g.finish_reason] if done else None,
+                        "finish_reason": finish,
                     }
                     as_ids = req.return_tokens_as_token_ids
                     if chat and req.logprobs and new_tokens:

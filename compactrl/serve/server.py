@@ -19,6 +19,7 @@ from compactrl.engine import Engine, SamplingParams
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
 from compactrl.serve.session import ChatSession, Usage
+from compactrl.serve.tools import PARSER_NAMES, parse, wire_calls
 from compactrl.serve.weights import AdapterMerger
 from compactrl.serve.worker import EngineWorker
 
@@ -38,6 +39,11 @@ class Metrics:
             "compactrl_tokens",
             "tokens by kind: prompt (live context), cached (KV reused), prefilled, evicted, generated",
             ["kind"],
+            registry=r,
+        )
+        self.tool_call_parse_failures = Counter(
+            "compactrl_tool_call_parse_failures",
+            "answers to requests with tools whose tool call did not parse (returned as text)",
             registry=r,
         )
         eng = worker.engine
@@ -82,6 +88,9 @@ class Job:
     gens: list[Generation] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     weights: list[int] = field(default_factory=list)  # weights versions when sampling began and ended
+    tools: bool = False  # answers are read for tool calls
+    replies: dict[int, dict | None] = field(default_factory=dict)  # a choice's tool calls, read once
+    parse_failures: int = 0  # choices whose tool call did not parse
 
 
 class Server:
@@ -98,11 +107,20 @@ class Server:
         max_queue: int = 256,
         chat_rewrites: str = "error",
         thread_adapter: str | None = None,
+        tool_parser: str = "hermes",
     ):
+        if tool_parser not in PARSER_NAMES:
+            raise ValueError(f"tool parser {tool_parser!r} unknown; choose one of {', '.join(PARSER_NAMES)}")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.tool_parser = tool_parser
         self.fmt = ChatFormat.from_tokenizer(engine.tokenizer, chat_rewrites)
         self.worker = EngineWorker(
-            engine, self.fmt, max_sessions=max_sessions, session_ttl=session_ttl, max_queue=max_queue
+            engine,
+            self.fmt,
+            max_sessions=max_sessions,
+            session_ttl=session_ttl,
+            max_queue=max_queue,
+            tool_parser=tool_parser,
         )
         if thread_adapter is not None:  # SideQuest's thread adapter: gated, it acts on threads' tokens only
             from compactrl.models.lora import load_thread_adapter
@@ -144,6 +162,43 @@ class Server:
             top_logprobs=top_logprobs,
         )
 
+    def reads_tools(self, req) -> bool:
+        """Whether a chat request's answers are read for tool calls; a 400 for tool settings this
+        server cannot serve."""
+        if req.tool_choice not in (None, "none", "auto"):
+            raise ApiError(
+                400,
+                f"tool_choice {req.tool_choice!r} is not supported: the server does not constrain "
+                "sampling to a call; send 'auto' (and ask for the call in the prompt) or 'none'",
+                "tool_choice",
+            )
+        if not req.tools:
+            return False
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) < len(names):
+            raise ApiError(400, f"tools name a function twice: {names}", "tools")
+        if self.tool_parser == "none":
+            raise ApiError(
+                400,
+                "this server reads no tool calls (it was started with --tool-call-parser none): send "
+                "no tools, or restart it with --tool-call-parser hermes or llama3_json",
+                "tools",
+            )
+        return req.tool_choice != "none"
+
+    def reply(self, job: Job, i: int) -> dict | None:
+        """Choice ``i``'s tool calls as the client gets them (``content``, ``tool_calls``), None when it
+        has none or they do not parse. Read once, so a stream and the session see the same call ids."""
+        if i not in job.replies:
+            job.replies[i] = None
+            if job.tools:
+                names = {t["function"]["name"] for t in job.cs.tools}
+                got = parse(self.tool_parser, self.text(job.gens[i]), names)
+                job.parse_failures += got is None
+                if got is not None and got[1]:
+                    job.replies[i] = {"content": got[0] or None, "tool_calls": wire_calls(got[1])}
+        return job.replies[i]
+
     def text(self, gen: Generation) -> str:
         """What the client is sent: the content without its stop token, cut before a stop string."""
         text = self.fmt.text(gen.tokens)
@@ -167,9 +222,13 @@ class Server:
         for g in job.gens:
             g.session.cancel()
         job.texts = [self.text(g) for g in job.gens]
+        for i in range(len(job.gens)):
+            self.reply(job, i)
+        job.cs.stats["tool_call_parse_failures"] += job.parse_failures
+        self.metrics.tool_call_parse_failures.inc(job.parse_failures)
         try:
             if job.gens and job.cs.kind == "chat" and not broken:
-                job.cs.finish(job.gens[0], job.texts[0])
+                job.cs.finish(job.gens[0], job.texts[0], self.reply(job, 0))
             for g in job.gens[1:]:
                 g.session.close()
         finally:
@@ -181,9 +240,12 @@ class Server:
         usage)`` (feed its prompt), its choices started; the session is released if any of it fails.
         Returns the job and its choices' futures."""
 
+        tools = req.tool_list() if kind == "chat" else None
+        reads = kind == "chat" and self.reads_tools(req)
+
         def begin(futures) -> Job:
-            cs = self.worker.session(sid, kind, req.compaction, req.evictor, req.strategy)
-            job = Job(cs, Usage())
+            cs = self.worker.session(sid, kind, req.compaction, req.evictor, req.strategy, tools)
+            job = Job(cs, Usage(), tools=reads)
             try:
                 prepare(cs, job.usage)
                 self.start(job, futures, params)

@@ -4,7 +4,8 @@ Each request sends the whole message list, as OpenAI clients do. The session com
 messages it recorded and turns the difference into stream operations (:meth:`ChatSession.plan`):
 
 * a message the client sends back unchanged is matched to its tokens (an assistant message to the
-  tokens sampled for it, by the text this server returned; never re-tokenised);
+  tokens sampled for it, by the text this server returned, or by its content and tool calls when it
+  was returned with tool calls; never re-tokenised);
 * messages appended: only their tokens are fed;
 * messages removed, anywhere: their tokens are evicted in place (``evict_at`` recorded, positions
   kept, nothing re-prefilled);
@@ -12,7 +13,8 @@ messages it recorded and turns the difference into stream operations (:meth:`Cha
   and the request's messages are fed again (what a prefix cache gives).
 
 Matching walks the request in order and takes, for each message, the first recorded message after
-the previous match with the same role and content; the first message with no such match ends it.
+the previous match with the same role and content (and tool calls, or tool call id); the first
+message with no such match ends it.
 
 A session may also compact on its own (``strategy``: any step-wise compactrl strategy;
 ``evictor``: a token evictor), so a client that never edits its list still runs in bounded memory.
@@ -39,10 +41,12 @@ the message list means use ``compaction = "reprefill"``.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, build_strategy
@@ -50,6 +54,7 @@ from compactrl.compaction.sidequest import parse_deletions
 from compactrl.engine import Engine, SamplingParams, SessionError
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
+from compactrl.serve.tools import template_calls
 from compactrl.trace import NO_CURSOR
 
 # strategies a session can run on its own (drop_opened_search needs the tool that made each
@@ -69,6 +74,12 @@ SERVER_STRATEGIES = (
 CURSOR_LABEL = re.compile(r"^\s*\[Cursor (\d+)\]")
 
 
+def key(role: str, content: str, extra: dict[str, Any] | None = None) -> tuple:
+    """What a message is matched by: role, content and its template fields (tool calls with their
+    arguments parsed, a tool message's call id)."""
+    return role, content, json.dumps(extra, sort_keys=True) if extra else ""
+
+
 @dataclass(eq=False)
 class Record:
     """A message of the session: its tokens are ``[start, end)`` of the stream (until deleted)."""
@@ -82,9 +93,14 @@ class Record:
     deleted: bool = False  # deleted by the session's own compaction; the client may still send it
     kind: str = "step"  # "summary": a summary the session's strategy wrote, or its resume message
     own: bool = False  # written by the session (a summary, a question to the model), not the client
+    extra: dict[str, Any] | None = None  # the template's other fields (tool_calls, tool_call_id, name)
+    sent: tuple | None = None  # an answer returned with tool calls: the key of the message as returned
 
-    def message(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def message(self) -> dict[str, Any]:
+        return {"role": self.role, "content": self.content, **(self.extra or {})}
+
+    def key(self) -> tuple:
+        return self.sent or key(self.role, self.content, self.extra)
 
 
 @dataclass
@@ -92,7 +108,7 @@ class Plan:
     records: list[Record]  # the records after the request (kept ones, new ones appended later)
     gone: list[Record]  # live records the client removed
     drop: list[Record]  # live records the session's strategy deletes
-    new: list[tuple[str, str, list[int]]]  # (role, content, tokens) appended
+    new: list[tuple[str, str, dict, list[int]]]  # (role, content, extra, tokens) appended
     prompt: list[int]  # the generation prompt
     conv: Conversation  # the conversation after the plan
     ask: tuple | None = None  # (context, groups, request): the strategy asks the model first
@@ -131,8 +147,10 @@ class ChatSession:
         evictor=None,
         strategy=None,
         kind: str = "chat",
+        tools: list[dict] | None = None,
     ):
         self.id, self.engine, self.fmt, self.compaction, self.kind = sid, engine, fmt, compaction, kind
+        self.tools = tools  # rendered in the head by ``fmt``: the session keeps them
         self.evictor, self.strategy_cfg = evictor, strategy
         self.strategy = build_strategy(strategy) if strategy is not None else None
         self.stream = engine.session(sid)
@@ -155,6 +173,7 @@ class ChatSession:
                 "aux_no_room",
                 "aux_unknown_cursors",
                 "aux_kept_unread",
+                "tool_call_parse_failures",
             ),
             0,
         )
@@ -164,16 +183,17 @@ class ChatSession:
         self.last_used = time.monotonic()
 
     # ---- planning (nothing changes) ---------------------------------------------------------
-    def _match(self, messages: list[tuple[str, str]]) -> tuple[list[int], int]:
+    def _match(self, messages: list[tuple[str, str, dict]]) -> tuple[list[int], int]:
         """Indices of the records the request keeps, and how many request messages they cover."""
         keep: list[int] = []
         j = 0
         for k, m in enumerate(messages):
+            want = key(*m)
             found = next(
                 (
                     i
                     for i in range(j, len(self.records))
-                    if not self.records[i].own and (self.records[i].role, self.records[i].content) == m
+                    if not self.records[i].own and self.records[i].key() == want
                 ),
                 None,
             )
@@ -246,7 +266,9 @@ class ChatSession:
         gone = [r for i in set(decision.delete) - {self.step} for r in groups.get(i, ()) if not r.deleted]
         return gone, decision
 
-    def plan(self, messages: list[tuple[str, str]], max_tokens: int) -> Plan:
+    def plan(self, messages: list[tuple], max_tokens: int) -> Plan:
+        """``messages``: ``(role, content)`` or ``(role, content, extra)`` (the template's other fields)."""
+        messages = [(m[0], m[1], m[2] if len(m) > 2 else {}) for m in messages]
         keep, k = self._match(messages)
         kept = set(keep)
         gone = [r for i, r in enumerate(self.records) if i not in kept and not r.deleted and not r.own]
@@ -256,10 +278,13 @@ class ChatSession:
         def render(live: list[Record]) -> tuple[Conversation, list]:  # the new messages after ``live``
             conv = self.conv.fork()
             conv.reset([r.message() for r in live])
-            return conv, [(role, text, conv.message(role, text)) for role, text in messages[k:]]
+            return conv, [
+                (role, text, extra, conv.message(role, text, extra=extra))
+                for role, text, extra in messages[k:]
+            ]
 
         conv, new = render(live)
-        cursors = [c for role, text in messages[k:] if (c := self._cursor(role, text)) is not None]
+        cursors = [c for role, text, _ in messages[k:] if (c := self._cursor(role, text)) is not None]
         drop, ask = self._compaction(live, sum(len(t) for *_, t in new), cursors[0] if cursors else None)
         if drop:  # rendered again after what the strategy deletes
             live = [r for r in live if r not in drop]
@@ -318,10 +343,10 @@ class ChatSession:
         thread = self._thread_due()
         if thread == "call":  # the call is in, its output not yet
             self._side_quest(temperature, seed)
-        for role, text, toks in plan.new:
+        for role, text, extra, toks in plan.new:
             if role == "assistant":  # an answer the client wrote: a step of its own
                 self.step += 1
-            self._add(role, text, toks)
+            self._add(role, text, extra, toks)
         if thread == "output":
             self._side_quest(temperature, seed)
         if self.step < 0 and s.evictor is not None:
@@ -370,7 +395,10 @@ class ChatSession:
         self.compacted_at = self.step
         self.stats["compactions"] += 1
         self.conv.reset([r.message() for r in self.records if not r.deleted])
-        plan.new = [(role, text, self.conv.message(role, text)) for role, text, _ in plan.new]
+        plan.new = [
+            (role, text, extra, self.conv.message(role, text, extra=extra))
+            for role, text, extra, _ in plan.new
+        ]
         plan.prompt = self.conv.prompt()
 
     def _own(self, role: str, text: str, toks: list[int], kind: str) -> Record:
@@ -488,24 +516,35 @@ class ChatSession:
         self.conv.reset([r.message() for r in self.records if not r.deleted])
         return delete or []
 
-    def _add(self, role: str, text: str, toks: list[int]) -> None:
+    def _add(self, role: str, text: str, extra: dict, toks: list[int]) -> None:
         self.turn += 1
         start = len(self.stream.tokens)
         cursor = self._cursor(role, text)
         if cursor is not None:
             self.next_cursor = max(self.next_cursor, cursor + 1)
         self.stream.append(toks, role=role, turn=self.turn, cursor=NO_CURSOR if cursor is None else cursor)
-        self.records.append(Record(role, text, start, len(self.stream.tokens), self.step, cursor))
+        self.records.append(
+            Record(role, text, start, len(self.stream.tokens), self.step, cursor, extra=extra or None)
+        )
 
-    def finish(self, gen: Generation, text: str) -> None:
+    def finish(self, gen: Generation, text: str, reply: dict | None = None) -> None:
         """Close the answer as the template does and record it with ``text`` (what the client was
-        sent): sent back unchanged, it matches these sampled tokens. The answer opens a new step."""
+        sent): sent back unchanged, it matches these sampled tokens. An answer returned with tool calls
+        (``reply``: its ``content`` and ``tool_calls``) matches the message the client sends back for
+        it, while ``text`` stays what later messages are rendered after. The answer opens a new step."""
         close = self.conv.close(gen.tokens)
         if len(self.stream.tokens) + len(close) <= self.engine.position_limit:
             self.stream.append(close, role="assistant", turn=self.turn)
         self.conv.messages[-1] = {"role": "assistant", "content": text}
         self.step += 1
-        self.records.append(Record("assistant", text, self.answer_start, len(self.stream.tokens), self.step))
+        sent = None
+        if reply is not None:
+            sent = key(
+                "assistant", reply["content"] or "", {"tool_calls": template_calls(reply["tool_calls"])}
+            )
+        self.records.append(
+            Record("assistant", text, self.answer_start, len(self.stream.tokens), self.step, sent=sent)
+        )
         self.last_used = time.monotonic()
 
     # ---- token prompts (/v1/completions) ------------------------------------------------------

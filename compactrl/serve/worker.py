@@ -24,6 +24,7 @@ from compactrl.engine import Engine
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
 from compactrl.serve.session import SERVER_STRATEGIES, ChatSession
+from compactrl.serve.tools import session_format
 
 log = logging.getLogger("compactrl.serve")
 
@@ -37,8 +38,9 @@ class EngineWorker:
         max_sessions: int = 1024,
         session_ttl: float = 600.0,
         max_queue: int = 256,
+        tool_parser: str = "hermes",
     ):
-        self.engine, self.fmt = engine, fmt
+        self.engine, self.fmt, self.tool_parser = engine, fmt, tool_parser
         self.max_sessions, self.session_ttl, self.max_queue = max_sessions, session_ttl, max_queue
         self.sessions: dict[str, ChatSession] = {}
         self.thread_adapter: str | None = None  # the SideQuest thread adapter loaded into the model
@@ -103,10 +105,11 @@ class EngineWorker:
 
     # ---- sessions (engine thread) -------------------------------------------------------------
     def session(
-        self, sid: str | None, kind: str, compaction=None, evictor=None, strategy=None
+        self, sid: str | None, kind: str, compaction=None, evictor=None, strategy=None, tools=None
     ) -> ChatSession:
         """The named session (created on first use with these settings), or a new ephemeral one;
-        marked busy. A named session keeps the settings it was created with."""
+        marked busy. A named session keeps the settings it was created with, and its tools (they are
+        rendered in its head, which is never rendered again)."""
         asked = {"compaction": compaction, "evictor": evictor, "strategy": strategy}
         cs = self.sessions.get(sid) if sid is not None else None
         if cs is None:
@@ -140,11 +143,12 @@ class EngineWorker:
             cs = ChatSession(
                 sid or f"req-{uuid.uuid4().hex[:12]}",
                 self.engine,
-                self.fmt,
+                session_format(self.fmt, tools, self.tool_parser) if tools else self.fmt,
                 compaction or "stream",
                 evictor,
                 strategy,
                 kind,
+                tools,
             )
             if sid is not None:
                 self.sessions[sid] = cs
@@ -171,6 +175,15 @@ class EngineWorker:
                         f"asks for {want!r}; a session keeps its settings (use a new session_id)",
                         name,
                     )
+            if tools != cs.tools:
+                had, got = ([t["function"]["name"] for t in ts or []] for ts in (cs.tools, tools))
+                raise ApiError(
+                    400,
+                    f"session {sid!r} was created with tools {had}, this request sends other tools "
+                    f"({got}); a session's tools are rendered in its head, which is never rendered "
+                    "again: send the same tools with every request (or use a new session_id)",
+                    "tools",
+                )
         cs.busy = True
         return cs
 
