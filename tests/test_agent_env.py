@@ -252,3 +252,28 @@ def test_each_examples_config_trains(name, tmp_path):
     cfg = load_config(TrainConfig, EXAMPLE.parent / f"{name}.toml", sets)
     last = train(cfg)
     assert last["step"] == 1 and last["errors"] == 0
+
+
+def test_the_quickstart_learns_the_same_with_the_count_task_as_an_agent(tmp_path):
+    """The quickstart (sliding window in stream mode, server-side for the agent) trained on the built-in
+    count env and on its agent port, same seeds: the first step's data is the same to the token (so its
+    reward is), and after training the held-out greedy reward rises by as much: the paired difference's
+    interval holds 0."""
+    from compactrl.rl.loop import TrainConfig, evaluate, train
+    from compactrl.stats import paired_diff
+
+    runs = {}
+    for name, config in (("env", "configs/quickstart.toml"), ("agent", EXAMPLE.with_suffix(".toml"))):
+        cfg = load_config(TrainConfig, config, [f"out={tmp_path / name}", "steps=10"])
+        train(cfg)
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        before, after = (evaluate(cfg, c, episodes=16, greedy=True) for c in (None, tmp_path / name))
+        runs[name] = rows, before, after
+    (env_rows, env_before, env_after), (agent_rows, agent_before, agent_after) = runs["env"], runs["agent"]
+    assert env_rows[0]["reward"] == agent_rows[0]["reward"] and agent_rows[0]["compactions"] > 0
+    assert env_before["mean_reward"] == agent_before["mean_reward"]
+    assert agent_after["mean_reward"] > agent_before["mean_reward"] + 0.2
+    per_episode = [[m["reward"] for m in json.loads(Path(r["path"]).read_text())["episode_metrics"]]
+                   for r in (agent_after, env_after)]  # fmt: skip
+    diff = paired_diff(*per_episode)
+    assert diff.ci[0] <= 0 <= diff.ci[1], diff

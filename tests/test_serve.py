@@ -800,7 +800,8 @@ def test_a_pick_session_falls_back_to_the_newest_steps_when_the_answer_does_not_
     cs = server.worker.sessions["pick"]
     assert cs.stats["compactions"] >= 1 and cs.stats["pick_fallbacks"] == cs.stats["compactions"]
     assert all(r.deleted for r in cs.records if r.own)
-    kept = [r for r in cs.records if not r.deleted and 0 <= r.step < cs.compacted_at]  # before the last
+    last = cs.compacted_at - 1  # the step of the last compaction's answer (answer k is step k - 1 here)
+    kept = [r for r in cs.records if not r.deleted and 0 <= r.step < last]  # what that compaction kept
     assert kept and sum(r.end - r.start for r in kept) <= 60
     assert max(u.prompt_tokens for u in usages) <= 160 + 40  # the budget plus a request's new messages
     with http(url) as h:

@@ -19,9 +19,10 @@ message with no such match ends it.
 A session may also compact on its own (``strategy``: any step-wise compactrl strategy;
 ``evictor``: a token evictor), so a client that never edits its list still runs in bounded memory.
 A message the session deleted stays recorded as deleted: the client may keep sending it, and it
-is matched and stays out of the stream. Steps are as compactrl's strategies see them: the messages
-before the first answer are the protected head; step ``k`` is the ``k``-th answer and the messages
-that follow it; a tool message is a cursor. A strategy that asks the model (``summary``, ``pick``)
+is matched and stays out of the stream. Steps are as a rollout numbers them: the system messages
+and the first other message (the task) are the protected head; messages after the task and before
+the first answer are the first observation's step; then each answer and the messages that follow it
+are a step; a tool message is a cursor. A strategy that asks the model (``summary``, ``pick``)
 asks it in the stream at the step boundary, before the request's new messages are fed, exactly as
 a rollout does; what the session writes so (a kept summary and its resume message) is the
 session's own: the client never sends it, and it stays until the session's strategy deletes it.
@@ -88,7 +89,7 @@ class Record:
     content: str
     start: int
     end: int
-    step: int  # -1: the head; k: the k-th answer and what follows it
+    step: int  # -1: the head; else the step (an observation, an answer and what follows, a summary)
     cursor: int | None = None  # a tool message's cursor id
     deleted: bool = False  # deleted by the session's own compaction; the client may still send it
     kind: str = "step"  # "summary": a summary the session's strategy wrote, or its resume message
@@ -158,8 +159,15 @@ class ChatSession:
             self.stream.use_evictor(evictor)
         self.conv = fmt.conversation()
         self.records: list[Record] = []
-        self.step = -1  # the latest answer's step (-1: none yet)
-        self.compacted_at = -1  # the step of the latest compaction
+        # steps as a rollout numbers them: -1 the head (system messages and the task); then, in order,
+        # the first observation (messages after the task, before the first answer), each answer with
+        # what follows it, each summary the session writes
+        self.step = -1  # the step new client messages join
+        self.next_step = 0
+        self.answer_step = -1  # the newest answer's step
+        self.actions = 0  # answers so far
+        self.action_of: dict[int, int] = {}  # an answer's step -> its action number
+        self.compacted_at = 0  # actions at the latest compaction
         self.next_cursor = 0
         self.threads: list[dict] = []  # SideQuest: the auxiliary threads' traces
         self.stats = dict.fromkeys(
@@ -210,46 +218,46 @@ class ChatSession:
     def _cursor(self, role: str, content: str) -> int | None:
         """A message after the first answer is a cursor when it opens with ``[Cursor N]`` (id N; the
         browse env labels its outputs so) or is a tool message (the next unused id)."""
-        if self.step < 0:
+        if self.actions == 0:
             return None
         if m := CURSOR_LABEL.match(content):
             return int(m.group(1))
         return self.next_cursor if role == "tool" else None
 
+    def _new_step(self) -> int:
+        self.next_step += 1
+        return self.next_step - 1
+
     def _context(self, live: list[Record], incoming: int, incoming_cursor: int | None):
-        """The strategy's view at this step boundary, and each view's records. A view's index is its
-        step (a summary's: past the newest step, unique in this view)."""
-        groups: dict[tuple[int, str], list[Record]] = {}
+        """The strategy's view at this step boundary, and each view's records (by step)."""
+        groups: dict[int, list[Record]] = {}
         for r in live:
             if r.step >= 0:
-                groups.setdefault((r.step, r.kind), []).append(r)
-        views, by_index = [], {}
-        for n, ((k, kind), rs) in enumerate(groups.items()):
-            index = k if kind == "step" else self.step + 1 + n
+                groups.setdefault(r.step, []).append(r)
+        views = []
+        for k, rs in groups.items():
             cursor = next((r.cursor for r in reversed(rs) if r.cursor is not None), None)
-            if (k, kind) == (self.step, "step") and incoming_cursor is not None:
+            if k == self.answer_step and incoming_cursor is not None:
                 cursor = incoming_cursor  # the output about to be read is this step's cursor
             text = "\n".join(r.content for r in rs)
-            views.append(
-                StepView(index, sum(len(self._live(r)) for r in rs), text, kind, cursor, last_used=k + 1)
-            )
-            by_index[index] = rs
+            size = sum(len(self._live(r)) for r in rs)
+            views.append(StepView(k, size, text, rs[0].kind, cursor, last_used=self.action_of.get(k, 0)))
         head = sum(len(self._live(r)) for r in live if r.step < 0)
         answers = [r for r in live if r.role == "assistant" and not r.own]
         ctx = Context(
             views,
             head,
             incoming,
-            self.step + 1,  # actions so far, as rollouts count them
-            self.step - self.compacted_at,
+            self.actions,
+            self.actions - self.compacted_at,
             answers[-1].content if answers else "",
         )
-        return ctx, by_index
+        return ctx, groups
 
     def _compaction(self, live: list[Record], incoming: int, incoming_cursor: int | None):
         """What the session's strategy does at this step boundary: the records it deletes, or (for a
         strategy that asks the model first) the question to ask: ``(context, groups, request)``."""
-        if self.strategy is None or self.step < 0 or self.strategy.name == "sidequest":
+        if self.strategy is None or self.actions == 0 or self.strategy.name == "sidequest":
             return [], None
         ctx, groups = self._context(live, incoming, incoming_cursor)
         if not self.strategy.trigger(ctx):
@@ -263,7 +271,9 @@ class ChatSession:
         is still coming, stays)."""
         decision = self.strategy.plan.decide(ctx, answer)
         self.stats["pick_fallbacks"] += int(decision.fallback)
-        gone = [r for i in set(decision.delete) - {self.step} for r in groups.get(i, ()) if not r.deleted]
+        gone = [
+            r for i in set(decision.delete) - {self.answer_step} for r in groups.get(i, ()) if not r.deleted
+        ]
         return gone, decision
 
     def plan(self, messages: list[tuple], max_tokens: int) -> Plan:
@@ -334,7 +344,7 @@ class ChatSession:
         s = self.stream
         usage.evicted_tokens, usage.prefilled_tokens = self._remove(plan.gone + plan.drop)
         if plan.drop:
-            self.compacted_at = self.step
+            self.compacted_at = self.actions
             self.stats["compactions"] += 1
         self.records, self.conv = plan.records, plan.conv
         usage.cached_tokens = s.live - usage.prefilled_tokens
@@ -345,12 +355,14 @@ class ChatSession:
             self._side_quest(temperature, seed)
         for role, text, extra, toks in plan.new:
             if role == "assistant":  # an answer the client wrote: a step of its own
-                self.step += 1
+                self._answered()
+            elif self.actions == 0 and self.step < 0 and any(r.role != "system" for r in self.records):
+                self.step = self._new_step()  # after the task, before the first answer: the first observation
             self._add(role, text, extra, toks)
         if thread == "output":
             self._side_quest(temperature, seed)
-        if self.step < 0 and s.evictor is not None:
-            s.evictor.head = len(s.tokens)  # the head (system prompt, task) is never evicted
+        if s.evictor is not None:  # the head (system prompt, task) is never evicted
+            s.evictor.head = max((r.end for r in self.records if r.step < 0), default=0)
         self.turn += 1
         self.answer_start = len(s.tokens)
         s.append(plan.prompt, role="assistant", turn=self.turn)
@@ -382,17 +394,20 @@ class ChatSession:
         s.append(conv.close(gen.tokens), role=req.role, turn=self.turn)
         answer = self.fmt.text(gen.tokens)
         conv.messages[-1] = {"role": "assistant", "content": answer}
-        written = Record("assistant", answer, start, len(s.tokens), self.step, kind="summary", own=True)
+        written = Record(
+            "assistant", answer, start, len(s.tokens), self._new_step(), kind="summary", own=True
+        )
         self.records.append(written)
         gone, decision = self._decided(ctx, groups, answer)
         gone += [asked] + ([] if decision.keep_answer else [written])
         if decision.keep_answer and decision.resume:
-            self._own("user", decision.resume, conv.message("user", decision.resume), "summary")
+            resume = self._own("user", decision.resume, conv.message("user", decision.resume), "summary")
+            resume.step = written.step
         usage.prefilled_tokens += len(s.tokens) - fed - len(gen.tokens)  # the question, the resume
         evicted, refed = self._remove(gone)
         usage.evicted_tokens += evicted
         usage.prefilled_tokens += refed
-        self.compacted_at = self.step
+        self.compacted_at = self.actions
         self.stats["compactions"] += 1
         self.conv.reset([r.message() for r in self.records if not r.deleted])
         plan.new = [
@@ -440,9 +455,9 @@ class ChatSession:
     def _thread_due(self) -> str | None:
         """Where the thread runs at this boundary ("call" or "output"), or None: after every
         ``every``-th answer."""
-        if self.strategy is None or self.strategy.name != "sidequest" or self.step < 0:
+        if self.strategy is None or self.strategy.name != "sidequest" or self.actions == 0:
             return None
-        return self.strategy.plan.at if (self.step + 1) % self.strategy_cfg.every == 0 else None
+        return self.strategy.plan.at if self.actions % self.strategy_cfg.every == 0 else None
 
     def _side_quest(self, temperature: float, seed: int | None) -> None:
         """Fork the stream here (its KV shared, no copy), ask the trigger, let the model name the
@@ -451,7 +466,9 @@ class ChatSession:
         the newest answer has not read yet. Its trace is kept for training (``meta["aux"]``)."""
         plan, st = self.strategy.plan, self.stats
         seen = {r.cursor: r for r in self.records if r.cursor is not None and not r.deleted and self._live(r)}
-        unread = {r.cursor for r in seen.values() if r.step == self.step} if plan.keep_unread else set()
+        unread = (
+            {r.cursor for r in seen.values() if r.step == self.answer_step} if plan.keep_unread else set()
+        )
         conv = self.conv.fork()
         trigger, prompt = conv.message("user", plan.trigger), conv.prompt()
         st["aux_calls"] += 1
@@ -480,7 +497,7 @@ class ChatSession:
                 t.trainable[:fork_at], t.logprobs[:fork_at] = False, math.nan
                 t.meta = {
                     "aux": True,
-                    "action": self.step + 1,
+                    "action": self.actions,
                     "fork_at": fork_at,
                     "keep_calls": plan.keep_calls,
                     "named": parse_deletions(answer or ""),
@@ -527,6 +544,12 @@ class ChatSession:
             Record(role, text, start, len(self.stream.tokens), self.step, cursor, extra=extra or None)
         )
 
+    def _answered(self) -> None:
+        """An answer opens a new step, which the messages after it join."""
+        self.actions += 1
+        self.step = self.answer_step = self._new_step()
+        self.action_of[self.step] = self.actions
+
     def finish(self, gen: Generation, text: str, reply: dict | None = None) -> None:
         """Close the answer as the template does and record it with ``text`` (what the client was
         sent): sent back unchanged, it matches these sampled tokens. An answer returned with tool calls
@@ -536,7 +559,7 @@ class ChatSession:
         if len(self.stream.tokens) + len(close) <= self.engine.position_limit:
             self.stream.append(close, role="assistant", turn=self.turn)
         self.conv.messages[-1] = {"role": "assistant", "content": text}
-        self.step += 1
+        self._answered()
         sent = None
         if reply is not None:
             sent = key(
