@@ -244,7 +244,7 @@ def test_a_tasks_file_plays_line_seed_mod_n(agents, tmp_path):
     assert env.task(10**9 + 5) == "held out"
 
 
-@pytest.mark.parametrize("name", ["count_agent", "browse_agent"])
+@pytest.mark.parametrize("name", ["count_agent", "browse_agent", "agents_sdk_agent"])
 def test_each_examples_config_trains(name, tmp_path):
     from compactrl.rl.loop import TrainConfig, train
 
@@ -277,3 +277,40 @@ def test_the_quickstart_learns_the_same_with_the_count_task_as_an_agent(tmp_path
                    for r in (agent_after, env_after)]  # fmt: skip
     diff = paired_diff(*per_episode)
     assert diff.ci[0] <= 0 <= diff.ci[1], diff
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_through_a_served_session(tmp_path, monkeypatch):
+    """examples/agents_sdk_agent.py, the SDK's own Agent and Runner with compactrl's client: the model's
+    answers are teacher-forced (a random tiny model writes no calls) to a hermes tool call, then to the
+    product the tool returned. The SDK parses the call from the server's response, runs the tool, sends
+    the call and its result back; the session matches the call to its sampled tokens, and the episode's
+    stream replays."""
+    pytest.importorskip("agents")
+    import re
+
+    from compactrl.serve.server import Server
+
+    sample = Server.params
+
+    def params(self, req, *args, **kw):
+        results = [m.text() for m in req.messages if m.role == "tool"]
+        if results:  # the tool has run: the answer is its result
+            text = f"It is {results[-1]}."
+        else:
+            a, b = re.search(r"What is (\d+) times (\d+)", req.messages[-1].text()).groups()
+            text = f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+        toks = self.engine.tokenizer.encode(text) + [self.fmt.stop_ids[0]]
+        return sample(self, req, *args, **kw).model_copy(update={"forced": toks})
+
+    monkeypatch.setattr(Server, "params", params)
+    sdk = ["env.name=agent", f"env.agent={EXAMPLE.parent}/agents_sdk_agent.py:solve",
+           f"env.tasks={EXAMPLE.parent}/agents_sdk_agent.py:task", "rollout.max_tokens=64"]  # fmt: skip
+    summary, rows, traces = run(tmp_path, "sdk", "episodes=2", "concurrency=2", "mode=full", *sdk)
+    assert summary["errors"] == 0 and [r["reward"] for r in rows] == [1.0, 1.0]
+    assert [r["turns"] for r in rows] == [2, 2]  # the call, then the answer after the tool's result
+    model = Engine.from_pretrained(tmp_path / "sdk" / "model").model
+    for t in traces:
+        with torch.no_grad():
+            replayed = stream_logprobs(model, [t])[0].double()
+        m = torch.as_tensor(t.trainable)
+        assert t.num_evicted == 0 and (replayed[m] - torch.as_tensor(t.logprobs)[m]).abs().max() < 5e-5
