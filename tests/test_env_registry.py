@@ -110,7 +110,7 @@ def test_an_env_class_by_entry_point_is_picked_by_name_like_the_built_in_ones(va
 @pytest.mark.parametrize(
     ("env", "says"),
     [
-        ({"name": "nope"}, "one of browse, count, recall, rooms, textworld"),
+        ({"name": "nope"}, "agent, browse, count, recall, rooms, textworld"),
         ({"import": "vaultpkg:NoSuchEnv"}, "cannot import 'vaultpkg:NoSuchEnv'"),
         ({"import": "vaultpkg.VaultEnv"}, "is not 'package.module:Name'"),
         ({"import": "vaultpkg:VaultEnv", "digitz": 2}, "vaultpkg:VaultEnv(digitz): digitz: Extra inputs"),

@@ -432,6 +432,57 @@ def test_a_full_queue_answers_429_with_retry_after(model_dir):
         assert worker.in_flight == 0  # a stream frees its place when it ends
 
 
+def test_a_group_reads_its_common_first_prompt_from_one_stream(served):
+    """Three sessions of one group (a GRPO group's rollouts) send the same first prompt: it is fed once,
+    into a root stream each session forks; their answers are the ungrouped session's, and they go on
+    as sessions of their own (one drops a message). The last one closed closes the root."""
+    server, url = served
+    c = client(url)
+    msgs = [
+        {"role": "system", "content": "You browse the web for facts. " * 30},
+        {"role": "user", "content": "Go."},
+    ]
+    ask = dict(model="tiny", logprobs=True, **GREEDY)
+    alone = c.chat.completions.create(messages=msgs, extra_body=NO_EOS | {"session_id": "solo"}, **ask)
+    before = len(server.engine.sessions)
+    grouped = [
+        c.chat.completions.create(
+            messages=msgs, extra_body=NO_EOS | {"session_id": f"g{i}", "group": "t7"}, **ask
+        )
+        for i in range(3)
+    ]
+    fed = [r.usage.prefilled_tokens for r in grouped]
+    assert fed[0] == alone.usage.prefilled_tokens > 100 and fed[1] == fed[2] < 5  # the prompt, once
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in grouped[1:]] == [
+        alone.usage.prompt_tokens - fed[1]
+    ] * 2
+    for r in grouped:
+        assert r.choices[0].message.content == alone.choices[0].message.content
+        lps = [t.logprob for t in r.choices[0].logprobs.content]
+        assert np.allclose(lps, [t.logprob for t in alone.choices[0].logprobs.content], atol=1e-5)
+    assert len(server.engine.sessions) == before + 4  # three sessions and their root
+    for i, r in enumerate(grouped):  # each goes its own way; g1 drops the user message
+        more = msgs + [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"And {i}?"},
+        ]
+        if i == 1:
+            del more[1]
+        nxt = c.chat.completions.create(messages=more, extra_body=NO_EOS | {"session_id": f"g{i}"}, **ask)
+        assert (nxt.usage.evicted_tokens > 0) == (i == 1)
+    with http(url) as h:
+        for i in range(3):
+            (row,) = h.get(f"/v1/sessions/g{i}/trace").json()["traces"]
+            t = Trace.from_dict(row)
+            with torch.no_grad():
+                replayed = stream_logprobs(server.engine.model, [t])[0].double()
+            m = torch.as_tensor(t.trainable)
+            assert m.sum() == 12 and (replayed[m] - torch.as_tensor(t.logprobs)[m]).abs().max() < 5e-5
+            h.delete(f"/v1/sessions/g{i}")
+        h.delete("/v1/sessions/solo")
+    assert "t7" not in server.worker.groups and len(server.engine.sessions) == before - 1
+
+
 def test_metrics_and_load_weights(served, model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

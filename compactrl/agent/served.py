@@ -3,11 +3,12 @@ serve``'s app, served in process on the run's engine.
 
 The agent gets an ``openai.AsyncOpenAI`` whose requests reach the app directly (an httpx ASGI
 transport: no socket, no port). Each request is named for the episode's session, so the messages the
-agent drops are evicted in place and only new ones are fed; the run's sampling settings and its
-server-side compaction (``[strategy]``, ``[evictor]``, ``mode``) are filled in, so the data depends
-on the config and the seeds as a built-in env's does. After the call the session's stream (and any
-SideQuest threads') are the episode's traces and the session is closed. An agent that raises, hangs
-past ``timeout_s`` or returns no reward fails its own episode only, recorded with its cause.
+agent drops are evicted in place and only new ones are fed; the episodes of one task (a GRPO group)
+name one session group, so their common first prompt is fed once and forked. The run's sampling
+settings and its server-side compaction (``[strategy]``, ``[evictor]``, ``mode``) are filled in, so
+the data depends on the config and the seeds as a built-in env's does. After the call the session's
+stream (and any SideQuest threads') are the episode's traces and the session is closed. An agent
+that raises, hangs past ``timeout_s`` or returns no reward fails its own episode only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 import httpx
 import numpy as np
@@ -57,12 +59,6 @@ def _result(out) -> AgentResult:
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
         raise ValueError(f"the agent returned {out!r}; return a finite number (the reward) or an AgentResult")
     return result
-
-
-def _peak_live(t: Trace) -> int:
-    """The most tokens live at once in a stream (each token fed, minus those evicted by then)."""
-    gone = np.cumsum(np.bincount(t.evict_at, minlength=len(t) + 1)[: len(t)])
-    return int((np.arange(1, len(t) + 1) - gone).max()) if len(t) else 0
 
 
 async def run_agent_episodes(
@@ -115,9 +111,8 @@ async def run_agent_episodes(
             result = EpisodeResult(i, seed, env.name, mode, name)
             sid = f"agent-{seed}-{sample_seeds[i]}-{i}"
             defaults = {"max_tokens": settings.max_tokens}
-            transport = SessionTransport(
-                app, forced | {"session_id": sid}, defaults, sample_seeds[i] * 100_003
-            )
+            named = {"session_id": sid} | ({"group": f"seed-{seed}"} if seeds.count(seed) > 1 else {})
+            transport = SessionTransport(app, forced | named, defaults, sample_seeds[i] * 100_003)
             t0 = time.monotonic()
             async with httpx.AsyncClient(
                 transport=transport, base_url="http://compactrl", timeout=None
@@ -155,7 +150,8 @@ def _close(server, sid: str) -> tuple[list[dict], dict]:
     if cs is None:
         return [], {}
     cs.stream.cancel()
-    rows, stats = cs.trace(), dict(cs.stats)
+    rows, stats = cs.trace(), dict(cs.stats) | asdict(cs.stream.metrics)
+    stats["prefill_tokens"] += cs.rooted  # its group's shared prompt, fed once for all (by the first)
     cs.close()
     return rows, stats
 
@@ -175,9 +171,10 @@ def _fill(result: EpisodeResult, rows: list[dict], stats: dict, position_limit: 
     result.segments = max(1, len(result.traces))
     result.tokens = sum(len(t) for t in result.traces)
     result.generated_tokens = int(sum(t.trainable.sum() for t in result.traces))
-    result.prefilled_tokens = result.tokens - result.generated_tokens
-    result.evicted_tokens = sum(t.num_evicted for t in result.traces)
-    result.peak_live_kv = max((_peak_live(t) for t in result.traces), default=0)
+    result.prefilled_tokens = stats.get("prefill_tokens", 0)  # what the engine fed for this episode
+    result.reprefilled_tokens = stats.get("reprefilled_tokens", 0)
+    for k in ("evicted_tokens", "evictions", "kv_reads", "peak_live_kv", "preemptions"):
+        setattr(result, k, stats.get(k, 0))
     result.peak_kv_with_threads = result.peak_live_kv
     if result.traces and result.error is None:
         last = result.traces[-1]

@@ -178,6 +178,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # sessions naming one group (a GRPO group's rollouts of one task) read their common first prompt from
+    # one stream, forked: its KV computed once (stream sessions without an evictor or tools)
+    group: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _chat(self):

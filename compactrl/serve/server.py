@@ -244,7 +244,8 @@ class Server:
         reads = kind == "chat" and self.reads_tools(req)
 
         def begin(futures) -> Job:
-            cs = self.worker.session(sid, kind, req.compaction, req.evictor, req.strategy, tools)
+            group = getattr(req, "group", None)
+            cs = self.worker.session(sid, kind, req.compaction, req.evictor, req.strategy, tools, group)
             job = Job(cs, Usage(), tools=reads)
             try:
                 prepare(cs, job.usage)

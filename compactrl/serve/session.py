@@ -46,7 +46,7 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from compactrl.agent.chat import ChatFormat, Conversation
@@ -113,6 +113,7 @@ class Plan:
     prompt: list[int]  # the generation prompt
     conv: Conversation  # the conversation after the plan
     ask: tuple | None = None  # (context, groups, request): the strategy asks the model first
+    rooted: int = 0  # tokens fed into a new group root (the group's first prompt) for this request
 
 
 @dataclass
@@ -149,8 +150,14 @@ class ChatSession:
         strategy=None,
         kind: str = "chat",
         tools: list[dict] | None = None,
+        group: str | None = None,
+        groups: dict | None = None,
     ):
         self.id, self.engine, self.fmt, self.compaction, self.kind = sid, engine, fmt, compaction, kind
+        # sessions of one group (a GRPO group's rollouts) read their common first prompt from one root
+        # stream: ``groups`` maps a group to its root (the worker's), a root knows its members
+        self.group, self.groups, self.root, self.members = group, groups, None, set()
+        self.rooted = 0  # tokens this session fed into its group's new root (the shared first prompt)
         self.tools = tools  # rendered in the head by ``fmt``: the session keeps them
         self.evictor, self.strategy_cfg = evictor, strategy
         self.strategy = build_strategy(strategy) if strategy is not None else None
@@ -278,6 +285,9 @@ class ChatSession:
 
     def plan(self, messages: list[tuple], max_tokens: int) -> Plan:
         """``messages``: ``(role, content)`` or ``(role, content, extra)`` (the template's other fields)."""
+        rooted = (
+            self._join(messages) if self.group is not None and not self.records and self.root is None else 0
+        )
         messages = [(m[0], m[1], m[2] if len(m) > 2 else {}) for m in messages]
         keep, k = self._match(messages)
         kept = set(keep)
@@ -300,7 +310,7 @@ class ChatSession:
             live = [r for r in live if r not in drop]
             conv, new = render(live)
         prompt = conv.prompt()
-        plan = Plan(records, gone, drop, new, prompt, conv, ask)
+        plan = Plan(records, gone, drop, new, prompt, conv, ask, rooted)
         base = len(self.stream.tokens)
         if self.compaction == "reprefill" and (gone or drop):  # cut at the first removed, the rest fed again
             cut = min(r.start for r in gone + drop)
@@ -343,6 +353,7 @@ class ChatSession:
         the call or after the output, as ``at`` says), and the generation prompt."""
         s = self.stream
         usage.evicted_tokens, usage.prefilled_tokens = self._remove(plan.gone + plan.drop)
+        usage.prefilled_tokens += plan.rooted
         if plan.drop:
             self.compacted_at = self.actions
             self.stats["compactions"] += 1
@@ -353,12 +364,7 @@ class ChatSession:
         thread = self._thread_due()
         if thread == "call":  # the call is in, its output not yet
             self._side_quest(temperature, seed)
-        for role, text, extra, toks in plan.new:
-            if role == "assistant":  # an answer the client wrote: a step of its own
-                self._answered()
-            elif self.actions == 0 and self.step < 0 and any(r.role != "system" for r in self.records):
-                self.step = self._new_step()  # after the task, before the first answer: the first observation
-            self._add(role, text, extra, toks)
+        self._feed(plan.new)
         if thread == "output":
             self._side_quest(temperature, seed)
         if s.evictor is not None:  # the head (system prompt, task) is never evicted
@@ -368,6 +374,40 @@ class ChatSession:
         s.append(plan.prompt, role="assistant", turn=self.turn)
         usage.prefilled_tokens += sum(len(t) for *_, t in plan.new) + len(plan.prompt)
         usage.prompt_tokens = s.live
+
+    def _feed(self, new: list[tuple]) -> None:
+        """Append the request's new messages (rendered by the plan) to the stream and the records."""
+        for role, text, extra, toks in new:
+            if role == "assistant":  # an answer the client wrote: a step of its own
+                self._answered()
+            elif self.actions == 0 and self.step < 0 and any(r.role != "system" for r in self.records):
+                self.step = self._new_step()  # after the task, before the first answer: the first observation
+            self._add(role, text, extra, toks)
+
+    def _join(self, messages: list[tuple]) -> int:
+        """A group's first prompt is fed once, into a root stream that never generates; a session whose
+        first request sends exactly that prompt forks the root (its KV shared, not computed again) and
+        continues from there. Not for reprefill or evictor sessions, or another chat format (tools).
+        Returns the tokens this request fed into a new root."""
+        if self.compaction != "stream" or self.evictor is not None:
+            return 0
+        root, fed = self.groups.get(self.group), 0
+        if root is None:
+            root = ChatSession(f"{self.id}-group-root", self.engine, self.fmt, kind=self.kind)
+            root._feed(root.plan(messages, 1).new)
+            self.groups[self.group] = root
+            fed = len(root.stream.tokens)
+        keep, k = root._match(messages)
+        if root.fmt is not self.fmt or k < len(messages) or keep != list(range(len(root.records))):
+            return 0
+        self.stream.close()
+        self.stream = root.stream.fork(self.id)
+        self.conv, self.records = root.conv.fork(), [replace(r) for r in root.records]
+        for name in ("step", "next_step", "answer_step", "actions", "turn", "next_cursor"):
+            setattr(self, name, getattr(root, name))
+        self.root, self.rooted = root, fed
+        root.members.add(self.id)
+        return fed
 
     # ---- a strategy that asks the model (summary, pick) ----------------------------------------
     def _ask(self, plan: Plan, usage: Usage, temperature: float, seed: int | None) -> None:
@@ -620,3 +660,9 @@ class ChatSession:
     def close(self) -> None:
         self.stream.cancel()
         self.stream.close()
+        if self.root is not None:  # the group's last member closes its root
+            self.root.members.discard(self.id)
+            if not self.root.members:
+                if self.groups.get(self.group) is self.root:
+                    del self.groups[self.group]
+                self.root.close()

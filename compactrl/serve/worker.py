@@ -43,6 +43,7 @@ class EngineWorker:
         self.engine, self.fmt, self.tool_parser = engine, fmt, tool_parser
         self.max_sessions, self.session_ttl, self.max_queue = max_sessions, session_ttl, max_queue
         self.sessions: dict[str, ChatSession] = {}
+        self.groups: dict[str, ChatSession] = {}  # a session group's root stream (its shared first prompt)
         self.thread_adapter: str | None = None  # the SideQuest thread adapter loaded into the model
         self.in_flight = 0  # requests admitted and not yet answered (the event loop's count)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -105,7 +106,7 @@ class EngineWorker:
 
     # ---- sessions (engine thread) -------------------------------------------------------------
     def session(
-        self, sid: str | None, kind: str, compaction=None, evictor=None, strategy=None, tools=None
+        self, sid: str | None, kind: str, compaction=None, evictor=None, strategy=None, tools=None, group=None
     ) -> ChatSession:
         """The named session (created on first use with these settings), or a new ephemeral one;
         marked busy. A named session keeps the settings it was created with, and its tools (they are
@@ -149,6 +150,8 @@ class EngineWorker:
                 strategy,
                 kind,
                 tools,
+                group,
+                self.groups,
             )
             if sid is not None:
                 self.sessions[sid] = cs
