@@ -68,18 +68,22 @@ keeps, drops, summaries = agent(keep_all), agent(drop_old_outputs), agent(summar
 
 
 async def flaky(client, task):
-    """Seed 0 raises, 1 hangs, 2 returns no reward, 3 makes no request, the rest play."""
+    """Seed 0 raises, 1 hangs after a request, 2 returns no reward, 3 makes no request, 4 runs out of
+    time in the middle of a request, the rest play."""
     s = task["seed"]
+    hi = [{"role": "user", "content": "hi"}]
     if s == 0:
         raise RuntimeError("the tool crashed")
     if s == 1:
-        hi = [{"role": "user", "content": "hi"}]
         await client.chat.completions.create(model="m", messages=hi, max_tokens=2)
         await asyncio.sleep(60)
     if s == 2:
         return "done!"
     if s == 3:
         return 1.0
+    if s == 4:
+        long = {"ignore_eos": True}
+        await client.chat.completions.create(model="m", messages=hi, max_tokens=20000, extra_body=long)
     await play(client, task, keep_all, turns=2)
     return 0.5
 
@@ -202,15 +206,15 @@ def test_a_server_side_strategy_applies_on_top_of_the_agents_own_list(agents, tm
 
 
 def test_an_agent_that_fails_costs_only_its_own_episode(agents, tmp_path):
-    sets = ["episodes=6", "concurrency=6", "mode=full", "env.timeout_s=2", *agent_env(agents, "flaky")]
+    sets = ["episodes=7", "concurrency=7", "mode=full", "env.timeout_s=2", *agent_env(agents, "flaky")]
     summary, rows, traces = run(tmp_path, "flaky", *sets)
     errors = [r["error"] for r in rows]
     assert "RuntimeError: the tool crashed" in errors[0]
-    assert "did not return within timeout_s = 2 s" in errors[1]
+    assert "did not return within timeout_s = 2 s" in errors[1] and "within timeout_s" in errors[4]
     assert "return a finite number" in errors[2] and "made no request" in errors[3]
-    assert errors[4:] == [None, None] and [r["reward"] for r in rows[4:]] == [0.5, 0.5]
-    assert [r["non_completion"] for r in rows] == ["error"] * 4 + [None, None]
-    assert summary["errors"] == 4 and len(traces) == 1 + 2  # the hung episode's stream is kept too
+    assert errors[5:] == [None, None] and [r["reward"] for r in rows[5:]] == [0.5, 0.5]
+    assert [r["non_completion"] for r in rows] == ["error"] * 5 + [None, None]
+    assert summary["errors"] == 5 and len(traces) == 2 + 2  # the timed-out episodes' streams are kept too
 
 
 @pytest.mark.parametrize(

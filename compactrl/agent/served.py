@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -84,11 +85,9 @@ async def run_agent_episodes(
     from compactrl.serve.app import create_app
     from compactrl.serve.server import Server
 
-    server = Server(engine, model_name="compactrl", chat_rewrites=settings.chat_rewrites,
-                    max_sessions=max(1024, concurrency), max_queue=max(256, 4 * concurrency))  # fmt: skip
-    server.fmt = server.worker.fmt = fmt  # the run's chat format (its template kwargs)
-    thread_adapter = getattr(strategy, "params", {}).get("thread_adapter")
-    server.worker.thread_adapter = thread_adapter  # already loaded into the model by the run
+    server = Server(engine, model_name="compactrl", fmt=fmt, max_sessions=max(1024, concurrency),
+                    max_queue=max(256, 4 * concurrency))  # fmt: skip
+    server.worker.thread_adapter = getattr(strategy, "params", {}).get("thread_adapter")  # loaded by the run
     app = httpx.ASGITransport(app=create_app(server))
     name = strategy.name if strategy is not None and mode != "full" else "none"
     forced = {
@@ -105,13 +104,14 @@ async def run_agent_episodes(
     if mode == "reprefill":
         forced["compaction"] = "reprefill"
     gate = asyncio.Semaphore(concurrency)
+    per_seed = Counter(seeds)  # a task played more than once: a GRPO group, one session group
 
     async def one(i: int, seed: int) -> EpisodeResult:
         async with gate:
             result = EpisodeResult(i, seed, env.name, mode, name)
             sid = f"agent-{seed}-{sample_seeds[i]}-{i}"
             defaults = {"max_tokens": settings.max_tokens}
-            named = {"session_id": sid} | ({"group": f"seed-{seed}"} if seeds.count(seed) > 1 else {})
+            named = {"session_id": sid} | ({"group": f"seed-{seed}"} if per_seed[seed] > 1 else {})
             transport = SessionTransport(app, forced | named, defaults, sample_seeds[i] * 100_003)
             t0 = time.monotonic()
             async with httpx.AsyncClient(
@@ -152,7 +152,8 @@ def _close(server, sid: str) -> tuple[list[dict], dict]:
     cs.stream.cancel()
     rows, stats = cs.trace(), dict(cs.stats) | asdict(cs.stream.metrics)
     stats["prefill_tokens"] += cs.rooted  # its group's shared prompt, fed once for all (by the first)
-    cs.close()
+    if not cs.busy:  # else the request still settling closes it (it is no longer the worker's)
+        cs.close()
     return rows, stats
 
 

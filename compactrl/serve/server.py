@@ -108,12 +108,14 @@ class Server:
         chat_rewrites: str = "error",
         thread_adapter: str | None = None,
         tool_parser: str = "hermes",
+        fmt: ChatFormat | None = None,
     ):
+        """``fmt``: the chat format (default: the tokenizer's template, with ``chat_rewrites``)."""
         if tool_parser not in PARSER_NAMES:
             raise ValueError(f"tool parser {tool_parser!r} unknown; choose one of {', '.join(PARSER_NAMES)}")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.tool_parser = tool_parser
-        self.fmt = ChatFormat.from_tokenizer(engine.tokenizer, chat_rewrites)
+        self.fmt = fmt or ChatFormat.from_tokenizer(engine.tokenizer, chat_rewrites)
         self.worker = EngineWorker(
             engine,
             self.fmt,
