@@ -65,6 +65,7 @@ def _load_file(path: Path):
     return sys.modules[name]
 
 
+@cache  # one model per class: an import-path env's table is checked at every config load
 def settings_model(cls: type, name: str | None) -> type[EnvSettings]:
     """The settings model of an env class: its ``Config``, else one read from its ``__init__``;
     with ``name``, its ``name`` field is that literal (the tag an ``[env]`` table picks it by)."""
