@@ -10,8 +10,9 @@ run with a checkpoint continues from it (``--resume``), and an evaluation alread
 ``eval/`` folder is read back, so a killed study loses at most the steps since each checkpoint.
 Each row's accuracy and mean reward carry 95% intervals (``accuracy_ci``, Wilson; ``mean_reward_ci``)
 over the evaluation's episodes. A run's held-out episodes follow its ``seed`` (a shifted set for
-another seed), so only rows of the same seed and env are on the same questions: compare those
-paired (``compactrl.stats``) from the episodes in the runs' ``eval/`` files.
+another seed), so only rows of the same seed and env are on the same questions: ``compare`` names
+such pairs ([run, baseline run]), and each of the run's rows then carries its paired difference
+from the baseline's on the same episodes (``compactrl.stats``: bootstrap interval, McNemar's p).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compactrl.config import ConfigError, load_config, read_toml
 from compactrl.plot import load_metrics
-from compactrl.rl.checkpoint import resolve_checkpoint
-from compactrl.stats import mean_ci
+from compactrl.rl.checkpoint import CheckpointError, resolve_checkpoint
+from compactrl.stats import compare, mean_ci
 
 
 class RunSpec(BaseModel):
@@ -71,6 +72,11 @@ class StudyConfig(BaseModel):
     )  # fmt: skip
     run: list[RunSpec] = Field(min_length=1)
     eval: list[EvalSpec] = Field(min_length=1)
+    compare: list[tuple[str, str]] = Field(
+        [], description="[run, baseline run] pairs of the same seed and env: the run's rows carry their "
+        "paired difference in success from the baseline's on the same episodes (vs_<baseline>, or "
+        "<eval>_vs_<baseline> per run)"
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _unique(self):
@@ -172,14 +178,49 @@ def _stderr(stats: dict) -> float:
     return math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) / len(rewards))
 
 
+def _eval_file(out: str, ckpt: Path, ev: EvalSpec) -> Path:
+    return Path(out) / "eval" / f"{ckpt.name}{'-greedy' if ev.greedy else ''}-study-{ev.name}.json"
+
+
+def _successes(config: str, sets: list[str], ev: EvalSpec) -> dict[int, float] | None:
+    """Episode seed -> success (reward >= 1) of the run's evaluation ``ev``; None if not evaluated."""
+    from compactrl.rl.loop import TrainConfig
+
+    try:
+        ckpt = resolve_checkpoint(load_config(TrainConfig, config, sets).out)
+    except CheckpointError:
+        return None
+    path = _eval_file(load_config(TrainConfig, config, [*sets, *ev.set]).out, ckpt, ev)
+    if not path.is_file():
+        return None
+    return {e["seed"]: float(e["reward"] >= 1.0) for e in json.loads(path.read_text())["episode_metrics"]}
+
+
+def _compared(study: StudyConfig, by_name: dict, rows: list[dict]) -> list[dict]:
+    """``rows`` with each compared run's paired difference from its baseline, per evaluation (where
+    both are evaluated: a study run with --only may not have its baseline yet)."""
+    for a, b in study.compare:
+        for ev in study.eval:
+            runs = [by_name[n] for n in (a, b)]
+            xs = [_successes(config, sets, ev) for _, config, sets, _ in runs]
+            if None in xs:
+                continue
+            d = compare(*xs, f"{a} / {ev.name}", f"{b} / {ev.name}")
+            for row in rows:
+                if row["run"] == a and study.rows == "per_run":
+                    row[f"{ev.name}_vs_{b}"] = d
+                elif row["run"] == a and row["eval"] == ev.name:
+                    row[f"vs_{b}"] = d
+    return rows
+
+
 def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec, ckpt: Path,
               summary: dict, totals: dict, log: Path) -> dict:  # fmt: skip
     """The row of one evaluation of the run's checkpoint ``ckpt`` (read back if done before)."""
     from compactrl.rl.loop import TrainConfig
 
     cfg = load_config(TrainConfig, config, [*sets, *ev.set])
-    label = f"{ckpt.name}{'-greedy' if ev.greedy else ''}-study-{ev.name}"
-    path = Path(cfg.out) / "eval" / f"{label}.json"
+    path = _eval_file(cfg.out, ckpt, ev)
     if not path.is_file():
         args = ["eval", config, *(x for s in [*sets, *ev.set] for x in ("--set", s)), "--checkpoint",
                 str(ckpt), "--episodes", str(ev.episodes), "--name", f"study-{ev.name}"]  # fmt: skip
@@ -221,6 +262,9 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
     by_name = {r[0]: r for r in every}
     if only and set(only) - set(by_name):
         raise ConfigError(f"--only {sorted(set(only) - set(by_name))}: no such run in {path}")
+    unknown = sorted({n for pair in study.compare for n in pair} - set(by_name))
+    if unknown:
+        raise ConfigError(f"{path}: compare names {unknown}, which are not runs of the study: name its runs")
     runs = [by_name[n] for n in dict.fromkeys(only)] if only else every  # --only's order: longest first
     from compactrl.rl.loop import TrainConfig
 
@@ -270,4 +314,6 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
             raise RuntimeError(
                 f"runs {failed} failed; their logs are in {study.out}/; rerun the study to resume them"
             )
-    return [row for _, rows in done for row in rows]
+    table = _compared(study, by_name, json.loads(results.read_text())["rows"])  # every run evaluated now
+    results.write_text(json.dumps({"study": str(path), "rows": table}, indent=1) + "\n")
+    return [row for r, _ in done for row in table if row["run"] == r[0]]

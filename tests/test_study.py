@@ -72,6 +72,7 @@ results = "{out}/results.json"
 parallel = 2
 rows = "per_run"
 columns = {{ mode = "mode" }}
+compare = [["tuned_stream", "base"], ["tuned_reprefill", "tuned_stream"]]
 
 [[run]]
 config = "configs/quickstart.toml"
@@ -116,6 +117,14 @@ def test_a_later_stage_starts_from_an_earlier_runs_checkpoint_and_rows_can_be_pe
     by_run = {r["run"]: r for r in rows}  # the re-prefill overhead, in tokens per rollout
     assert by_run["tuned_reprefill"]["reprefilled_tokens"] > 0 == by_run["tuned_stream"]["reprefilled_tokens"]
     assert by_run["tuned_stream"]["tokens"] > 0
+    for a, b in (("tuned_stream", "base"), ("tuned_reprefill", "tuned_stream")):  # paired, per eval
+        for ev in ("final", "full"):
+            d = by_run[a][f"{ev}_vs_{b}"]
+            assert d["compared_to"] == f"{b} / {ev}" and d["paired_diff_ci"][0] <= d["paired_diff"]
+            assert d["paired_diff"] == pytest.approx(by_run[a][f"{ev}_success"] - by_run[b][f"{ev}_success"])
+    assert not any(k.startswith("final_vs") for k in by_run["base"])
+    saved = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert saved == json.loads(json.dumps(rows))
     base = tmp_path / "runs" / "base" / "checkpoints" / "step_00000002" / "model" / "model.safetensors"
     tuned = json.loads((tmp_path / "runs" / "tuned_stream" / "config.json").read_text())
     assert tuned["model"]["path"] == str(base.parent) and base.is_file()
@@ -128,6 +137,9 @@ def test_a_bad_study_is_refused_before_training(tmp_path):
         run_study(path)
     path.write_text(STUDY.format(out=tmp_path).replace('set = ["mode=reprefill"]', 'set = ["mode=bogus"]'))
     with pytest.raises(ConfigError, match="eval reprefill: .*mode"):
+        run_study(path)
+    path.write_text('compare = [["q_seed1", "q_seed2"]]\n' + STUDY.format(out=tmp_path))
+    with pytest.raises(ConfigError, match=r"compare names \['q_seed2'\]"):
         run_study(path)
     assert not (tmp_path / "runs").exists()
 
