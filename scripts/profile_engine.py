@@ -1,7 +1,8 @@
 """Where the engine's time goes: torch.profiler over its prefill and decode steps, by kind of work.
 
     python scripts/profile_engine.py [--model runs/smollm2] [--batch 1 8 32] [--context 128 1024]
-                                     [--new-tokens 32] [--threads 1] [--dtype float32] [--out FILE]
+                                     [--new-tokens 32] [--threads 1] [--dtype float32] [--matmul auto]
+                                     [--out FILE]
 
 For each (batch, context): ``batch`` sessions of ``context`` prompt tokens are prefilled (profiled),
 then decode ``new-tokens`` tokens each (profiled). Each op's own CPU time is put in a kind (GEMMs,
@@ -25,13 +26,15 @@ from torch.profiler import ProfilerActivity, profile
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 
 KINDS = {  # aten op -> kind (ops not named here count as "other")
-    "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"),
+    "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
+             "mkldnn::_linear_pointwise"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::logsumexp", "aten::masked_fill",
                   "aten::masked_fill_", "aten::_softmax", "aten::softmax"),
     "elementwise": ("aten::mul", "aten::add", "aten::add_", "aten::silu", "aten::rsqrt", "aten::pow",
                     "aten::mean", "aten::neg", "aten::cat", "aten::sub", "aten::exp", "aten::div",
-                    "aten::mul_", "aten::sigmoid", "aten::nan_to_num", "aten::where"),
+                    "aten::mul_", "aten::sigmoid", "aten::nan_to_num", "aten::where", "aten::rms_norm",
+                    "aten::_fused_rms_norm"),
     "copy/index": ("aten::copy_", "aten::index", "aten::index_select", "aten::index_put_", "aten::gather",
                    "aten::scatter_", "aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy",
                    "aten::embedding", "aten::fill_", "aten::zero_", "aten::empty", "aten::arange"),
@@ -41,17 +44,16 @@ KINDS = {  # aten op -> kind (ops not named here count as "other")
 KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
 
 
-def engine(model: str | None, dtype: str) -> Engine:
+def engine(model: str | None, dtype: str, matmul: str) -> Engine:
+    config = EngineConfig(kv_pool_tokens=1 << 17, matmul=matmul)
     if model:
-        return Engine.from_pretrained(model, dtype=dtype, config=EngineConfig(kv_pool_tokens=1 << 17))
+        return Engine.from_pretrained(model, dtype=dtype, config=config)
     from compactrl.models.tiny import init_random, tiny_config
 
     cfg = tiny_config("llama", vocab_size=49152, size="base", eos_token_id=[0])
     cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 576, 1536, 30  # SmolLM2-135M's shape
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 9, 3, 64
-    return Engine(
-        init_random(cfg, seed=0).to(getattr(torch, dtype)), None, EngineConfig(kv_pool_tokens=1 << 17)
-    )
+    return Engine(init_random(cfg, seed=0).to(getattr(torch, dtype)), None, config)
 
 
 def breakdown(prof, wall: float) -> dict:
@@ -104,16 +106,17 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--matmul", default="auto", help="EngineConfig.matmul: auto, native, onednn, float32")
     p.add_argument("--out", default=None, help="write the JSON here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    eng = engine(a.model, a.dtype)
+    eng = engine(a.model, a.dtype, a.matmul)
     run(eng, 1, 16, 2)  # warm-up
     params = sum(x.numel() for x in eng.model.parameters())
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                           "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()},
               "model": a.model or "SmolLM2-135M shape (random)", "parameters": params, "dtype": a.dtype,
-              "settings": []}  # fmt: skip
+              "matmul": eng.linears.kind, "settings": []}  # fmt: skip
     for b in a.batch:
         for c in a.context:
             r = run(eng, b, c, a.new_tokens)

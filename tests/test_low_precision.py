@@ -1,5 +1,6 @@
-"""bfloat16 in the engine: float32 GEMMs on converted weights (AVX2 CPUs), float32 logits, the
-engine/trainer mismatch within the bfloat16 tolerance, and the options that expose them."""
+"""The engine's GEMM paths: float32 GEMMs on converted bfloat16 weights (AVX2 CPUs), oneDNN GEMMs on
+reordered weights (float32, and bfloat16 where native), float32 logits, the engine/trainer
+mismatch within each dtype's tolerance, and the options that expose them."""
 
 import json
 
@@ -10,12 +11,16 @@ from typer.testing import CliRunner
 
 from compactrl.cli import app
 from compactrl.engine import Engine, EngineConfig, SamplingParams
-from compactrl.engine.linear import Linears
+from compactrl.engine.fused import FusedProjection
+from compactrl.engine.linear import Linears, has_native_low_precision_matmul
 from compactrl.models.decoder import _logits
 from compactrl.models.tiny import init_random, tiny_config
 from compactrl.verify import ENGINE_KL_TOLERANCE_LOW_PRECISION, verify_engine
 
 runner = CliRunner()
+ONEDNN = torch.backends.mkldnn.is_available()
+ONEDNN_BF16 = ONEDNN and has_native_low_precision_matmul("cpu")
+needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU has no native bfloat16 GEMMs")
 
 
 def lm(family="qwen2", dtype=torch.bfloat16, seed=0):
@@ -60,19 +65,51 @@ def test_auto_keeps_single_rows_native_and_float32_models_untouched():
     m = lm().model.layers[0].mlp.up_proj
     assert not bf._wants(m, torch.zeros(1, m.in_features, dtype=torch.bfloat16))
     fp = lm(dtype=torch.float32)
-    for mode in ("auto", "native", "float32"):
+    h = torch.randn(3, fp.config.hidden_size)
+    for mode in ("native", "float32"):
         lin = Linears(fp, mode)
-        assert not lin.upcast and not lin.low_precision
-        h = torch.randn(3, fp.config.hidden_size)
+        assert not lin.upcast and not lin.low_precision and not lin.onednn
         assert torch.equal(lin.logits(fp, h), fp.lm_head(h))
+    auto = Linears(fp, "auto")  # oneDNN on a CPU that has it: the same logits up to summation order
+    assert auto.onednn == ONEDNN and not auto.upcast
+    torch.testing.assert_close(auto.logits(fp, h), fp.lm_head(h), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="matmul mode"):
         Linears(fp, "fast")
+    with pytest.raises(ValueError, match="onednn needs float32"):
+        Linears(lm(dtype=torch.float16), "onednn")
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
+def test_onednn_layers_are_the_native_ones_and_follow_weight_updates():
+    model = lm(dtype=torch.float32)
+    lin = Linears(model, "onednn")
+    assert lin.kind == "onednn (prepacked)"
+    layer = model.model.layers[0]
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(lin.mlp(layer.mlp, x), layer.mlp(x), rtol=1e-5, atol=1e-6)  # gate+up fused
+        before = lin.linear(layer.mlp.up_proj, x)
+        layer.mlp.up_proj.weight.mul_(2)  # an optimizer step on the shared model: seen, no bookkeeping
+        torch.testing.assert_close(lin.linear(layer.mlp.up_proj, x), 2 * before, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lin.mlp(layer.mlp, x), layer.mlp(x), rtol=1e-5, atol=1e-6)
+        layer.self_attn.o_proj.weight = torch.nn.Parameter(torch.zeros_like(layer.self_attn.o_proj.weight))
+        assert lin.linear(layer.self_attn.o_proj, x[:, : layer.self_attn.o_proj.in_features]).abs().max() == 0
+        # the fused q/k/v: its parameters are views of the pack, whose own version does not move
+        proj, attn = FusedProjection(layer.self_attn), layer.self_attn
+        cos, sin = model.rope(torch.arange(5)[None], x.dtype)
+        for _ in range(2):
+            ours = proj(x, cos[0], sin[0], lin)
+            ref = [t[0].transpose(0, 1) for t in attn.project(x[None], cos, sin)]
+            for a, b in zip(ours, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            attn.q_proj.weight.mul_(2)
+            attn.v_proj.weight.add_(1)
 
 
 def test_low_precision_logits_are_float32_and_match_the_trainer_head():
     model = lm("qwen3")  # tied embeddings
     h = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
-    for mode in ("native", "float32"):
+    for mode in ("native", "float32", *(["onednn"] if ONEDNN_BF16 else [])):
         logits = Linears(model, mode).logits(model, h)
         assert logits.dtype == torch.float32
         torch.testing.assert_close(logits, _logits(model, h), rtol=1e-6, atol=1e-5)
@@ -80,24 +117,28 @@ def test_low_precision_logits_are_float32_and_match_the_trainer_head():
     assert (rounded - _logits(model, h)).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("matmul", ["native", "float32"])
+@pytest.mark.parametrize("matmul", ["native", "float32", pytest.param("onednn", marks=needs_onednn_bf16)])
 def test_bfloat16_engine_vs_trainer_within_the_bfloat16_tolerance(matmul):
     r = verify_engine(n_sessions=12, seed=1, dtype="bfloat16", matmul=matmul)
-    assert r["matmul"] == matmul and r["preemptions"] > 0 and r["forks"] > 0 and r["evictions"] > 0
+    assert r["matmul"].split()[0] == matmul and r["preemptions"] > 0 and r["forks"] > 0 and r["evictions"] > 0
     assert r["kl_tolerance"] == ENGINE_KL_TOLERANCE_LOW_PRECISION and r["tolerance"] is None
     assert r["ok"] and r["mean_kl"] < 1e-3 and r["max_abs_logprob_diff"] < 0.15
     assert r["kl_positions"] == r["sampled_tokens"] and r["reprefill_diff"] > 0.1
 
 
-def test_float32_verify_reports_a_kl_at_float_rounding():
-    r = verify_engine(n_sessions=6, seed=2)
+@pytest.mark.parametrize(
+    "matmul", ["native", pytest.param("onednn", marks=pytest.mark.skipif(not ONEDNN, reason="no oneDNN"))]
+)
+def test_float32_verify_reports_a_kl_at_float_rounding(matmul):
+    r = verify_engine(n_sessions=6, seed=2, matmul=matmul)
     assert r["ok"] and r["tolerance"] == 5e-5 and r["kl_tolerance"] is None
-    assert abs(r["mean_kl"]) < 1e-9 and r["matmul"] == "native"
+    assert abs(r["mean_kl"]) < 1e-9 and r["matmul"].split()[0] == matmul
 
 
 def test_both_gemm_paths_sample_the_same_tokens_from_nearly_the_same_distribution():
     out = {}
-    for matmul in ("native", "float32"):
+    modes = ("native", "float32", *(["onednn"] if ONEDNN_BF16 else []))
+    for matmul in modes:
         eng = Engine(lm(seed=3), None, EngineConfig(matmul=matmul))
         sessions = [eng.session() for _ in range(4)]
         for k, s in enumerate(sessions):
@@ -105,9 +146,10 @@ def test_both_gemm_paths_sample_the_same_tokens_from_nearly_the_same_distributio
             s.generate(SamplingParams(max_tokens=12, temperature=0, seed=k, model_logprobs=True))
         eng.run()
         out[matmul] = [(s.tokens, s.model_logprobs) for s in sessions]
-    for (ta, la), (tb, lb) in zip(out["native"], out["float32"], strict=True):
-        assert ta == tb
-        assert max(abs(a - b) for a, b in zip(la, lb) if a == a) < 0.05  # nan = not sampled
+    for mode in modes[1:]:
+        for (ta, la), (tb, lb) in zip(out["native"], out[mode], strict=True):
+            assert ta == tb
+            assert max(abs(a - b) for a, b in zip(la, lb) if a == a) < 0.05  # nan = not sampled
 
 
 def test_verify_engine_and_bench_engine_cli_options(tmp_path):
@@ -126,7 +168,11 @@ def test_verify_engine_and_bench_engine_cli_options(tmp_path):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert (out["dtype"], out["device"], out["threads"]) == ("bfloat16", "cpu", 1)
-    assert out["machine"]["threads"] == 1 and out["matmul"] in ("native", "float32 (2+ rows)")
+    assert out["machine"]["threads"] == 1 and out["matmul"] in (
+        "native",
+        "float32 (2+ rows)",
+        "onednn (prepacked)",
+    )
     assert out["model"]["weight_bytes"] == 2 * out["model"]["parameters"]
     assert out["settings"][0]["decode_tokens_per_s"] > 0 and out["settings"][0]["batch"] == 2
     r = runner.invoke(app, ["bench", "engine", "--dtype", "float16"])

@@ -60,9 +60,11 @@ class EngineConfig(BaseModel):
     )
     matmul: MatmulMode = Field(
         "auto",
-        description="bfloat16/float16 GEMMs: native, float32 (weights converted block by block, float32 "
-        "GEMM, output rounded), or auto (float32 for steps of 2+ tokens on a CPU without native bfloat16 "
-        "GEMMs); float32 models always run natively",
+        description="GEMM kernels: native (torch's), onednn (a CPU: weights reordered once into oneDNN's "
+        "layout, gate and up in one GEMM; float32, or bfloat16 with native bfloat16 GEMMs), float32 "
+        "(bfloat16/float16 weights converted block by block, float32 GEMM, output rounded), or auto "
+        "(onednn where it applies, else float32 for steps of 2+ tokens on a CPU without native "
+        "bfloat16 GEMMs, else native)",
     )
 
 
@@ -78,6 +80,7 @@ class Engine:
         self.sampler = Sampler()
         self.projections = [FusedProjection(layer.self_attn) for layer in model.model.layers]
         self.linears = Linears(model, self.config.matmul)
+        self.linears.prepare(model)
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
         self.segments: set[Segment] = set()

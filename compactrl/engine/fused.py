@@ -75,6 +75,8 @@ class FusedProjection:
         H, Hkv, D = a.n_heads, a.n_kv, a.head_dim
         if linears is None:
             qkv = F.linear(x, self.weight, self.bias)
+        elif linears.stacks(a.q_proj, a.k_proj, a.v_proj):  # its own stacked copy, kept in step
+            qkv = linears.stacked(x, a.q_proj, a.k_proj, a.v_proj)
         else:
             qkv = linears.packed(x, self.weight, self.bias)
         qkv = qkv.view(-1, H + 2 * Hkv, D)

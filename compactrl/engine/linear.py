@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MatmulMode = Literal["auto", "native", "float32"]
+MatmulMode = Literal["auto", "native", "float32", "onednn"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -50,17 +50,34 @@ class Linears:
     """How an engine step runs linear layers (module docstring).
 
     ``mode``: ``native`` (the modules' own kernels), ``float32`` (float32 GEMMs on weights converted
-    block by block), ``auto`` (``float32`` for steps of 2+ tokens on a CPU without native bfloat16
-    GEMMs, else ``native``). Float32 and float64 models always run natively, op for op as before;
-    the head of a low-precision model always runs in float32.
+    block by block), ``onednn`` (oneDNN GEMMs on weights reordered once into its blocked layout, as
+    vLLM's CPU worker runs them: a CPU, float32 or native bfloat16; gate and up projections in one
+    GEMM; the reordered copies take the weights' memory again and are redone when a weight changes),
+    ``auto`` (``onednn`` on a CPU for float32, and for bfloat16 where the CPU has native bfloat16
+    GEMMs; ``float32`` for steps of 2+ tokens on a CPU without them; else ``native``). Float64 and
+    float16 models run natively; the head of a low-precision model always runs in float32.
     """
 
     def __init__(self, model: nn.Module, mode: MatmulMode = "auto"):
-        if mode not in ("auto", "native", "float32"):
-            raise ValueError(f"matmul mode {mode!r} is not one of auto, native, float32")
+        if mode not in ("auto", "native", "float32", "onednn"):
+            raise ValueError(f"matmul mode {mode!r} is not one of auto, native, float32, onednn")
         p = next(model.parameters())
         self.low_precision = p.dtype in LOW_PRECISION
         native = has_native_low_precision_matmul(p.device)
+        cpu_onednn = p.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.onednn = mode == "onednn" or (
+            mode == "auto"
+            and cpu_onednn
+            and (p.dtype == torch.float32 or (p.dtype == torch.bfloat16 and native))
+        )
+        if self.onednn and not cpu_onednn:
+            raise ValueError("matmul mode onednn runs on a CPU with oneDNN; use native on this device")
+        if self.onednn and not (p.dtype == torch.float32 or (p.dtype == torch.bfloat16 and native)):
+            raise ValueError(
+                f"matmul mode onednn needs float32, or bfloat16 on a CPU with native bfloat16 GEMMs "
+                f"(AVX512); this model is {p.dtype}: use auto"
+            )
+        self._packs: dict[tuple[int, ...], tuple] = {}
         self.upcast = self.low_precision and (mode == "float32" or (mode == "auto" and not native))
         self.min_rows = 2 if mode == "auto" else 1  # auto: one row (a GEMV) stays native
         # float32 elements converted per block: ~4 MB stays in a CPU's cache; GPUs take big blocks
@@ -70,6 +87,8 @@ class Linears:
     @property
     def kind(self) -> str:
         """What runs the GEMMs, for reports."""
+        if self.onednn:
+            return "onednn (prepacked)"
         if not self.low_precision:
             return "native"
         return ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
@@ -101,8 +120,50 @@ class Linears:
     def _wants(self, m: nn.Module, x: torch.Tensor) -> bool:
         return self.upcast and type(m) is nn.Linear and x.numel() >= self.min_rows * x.shape[-1]
 
+    # ---- oneDNN GEMMs on reordered weights ------------------------------------------------------
+    @torch.no_grad()
+    def _reordered(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype):
+        """The oneDNN copy of ``layers``' weights stacked (and their biases), in ``dtype``; redone when a
+        weight changed since (an in-place update bumps its version; a replaced one has a new address)."""
+        ws = [m.weight for m in layers]
+        stamp = tuple((w.data_ptr(), w._version) for w in ws)
+        key = tuple(id(m) for m in layers)
+        hit = self._packs.get(key)
+        if hit is None or hit[0] != stamp:
+            with torch.inference_mode(False):  # kept across steps, in and out of inference mode
+                w = torch.cat([w.detach().to(dtype) for w in ws])
+                b = None if layers[0].bias is None else torch.cat([m.bias.detach().to(dtype) for m in layers])
+                hit = self._packs[key] = (stamp, torch.ops.mkldnn._reorder_linear_weight(w), b)
+        return hit[1], hit[2]
+
+    def prepare(self, model: nn.Module) -> None:
+        """Under ``onednn``, reorder every weight now (at engine start) rather than in the first step."""
+        if not self.onednn:
+            return
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            for group in (qkv, (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
+                if self.stacks(*group):
+                    self._reordered(group, group[0].weight.dtype)
+        if self.stacks(model.lm_head):
+            self._reordered((model.lm_head,), torch.float32)
+
+    def stacks(self, *layers: nn.Module) -> bool:
+        """Whether :meth:`stacked` runs ``layers`` as one GEMM (``onednn``, plain linear layers)."""
+        return self.onednn and all(type(m) is nn.Linear for m in layers)
+
+    def stacked(self, x: torch.Tensor, *layers: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The outputs of ``layers`` on ``x``, concatenated, from one oneDNN GEMM (see :meth:`stacks`)."""
+        dtype = dtype or x.dtype
+        w, b = self._reordered(layers, dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "").view(*x.shape[:-1], -1)
+
     # ---- layers -------------------------------------------------------------------------------
     def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.stacks(m):
+            return self.stacked(x, m)
         if not self._wants(m, x):
             return m(x)
         return self.mm32(x, m.weight, m.bias).to(x.dtype)
@@ -114,15 +175,21 @@ class Linears:
         return self.mm32(x, weight, bias).to(x.dtype)
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU, each projection through :meth:`linear`."""
-        if not self._wants(mlp.down_proj, x):
+        """SwiGLU, each projection through :meth:`linear` (under ``onednn``, gate and up as one GEMM)."""
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if self.stacks(gate, up):
+            g, u = self.stacked(x, gate, up).chunk(2, dim=-1)
+            return self.linear(down, F.silu(g) * u)
+        if not self._wants(down, x):
             return mlp(x)
-        return self.linear(mlp.down_proj, F.silu(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+        return self.linear(down, F.silu(self.linear(gate, x)) * self.linear(up, x))
 
     def logits(self, lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[..., vocab]`` of final-norm ``hidden [..., d]``; a low-precision model's head
         runs in float32 (as :func:`~compactrl.models.decoder.token_logprobs`)."""
         head = lm.lm_head
+        if self.stacks(head):  # a low-precision head reordered as float32
+            return self.stacked(hidden, head, dtype=torch.float32)
         if not (self.low_precision and type(head) is nn.Linear):
             return head(hidden).float()
         return self.mm32(hidden, head.weight, head.bias)

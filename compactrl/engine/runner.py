@@ -223,7 +223,7 @@ def prefill_stream(
     ks, vs = [], []
     for li, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        if lin.upcast and projections:  # the step's fused projection, float32 GEMM
+        if (lin.upcast or lin.onednn) and projections:  # the step's fused projection and GEMM
             h = layer.input_layernorm(x)[0]
             q, k, v = (t.transpose(0, 1)[None] for t in projections[li](h, cos[0], sin[0], lin))
         else:
