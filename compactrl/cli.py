@@ -851,6 +851,75 @@ def bench_train_step(
         )
 
 
+@bench_app.command("trainer-hf")
+def bench_trainer_hf(
+    model_dir: Annotated[Path, typer.Option("--model", help="Checkpoint folder the traces were made with.")],
+    traces: Annotated[Path, typer.Option("--traces", help="Stream traces (a run's traces.jsonl).")] = Path(
+        "runs/bench_sidequest_replicate/a-sidequest-every2/traces.jsonl"
+    ),
+    traces_count: Annotated[int, typer.Option(help="Main traces with evictions to use (the first).")] = 8,
+    lora_r: Annotated[int, typer.Option(help="LoRA rank (alpha = 2 r, all seven projections).")] = 16,
+    threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 3,
+    chunk: Annotated[int, typer.Option(help="Query chunk of the stream's chunked attention.")] = 256,
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    backend: Annotated[
+        str, typer.Option(help="Our attention: chunked (CPU) | flex (CUDA) | dense.")
+    ] = "chunked",
+    output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Forward+backward of our stream trainer vs transformers + peft (SDPA, 4-D eviction mask), LoRA,
+    on the same traces; exits 1 if their log-probs differ by more than 5e-5."""
+    from compactrl.bench.trainer_hf import run_trainer_hf_bench
+
+    if not (model_dir / "config.json").exists():
+        fail(f"--model {model_dir} has no config.json; point at a Hugging Face checkpoint folder")
+    if not traces.is_file():
+        fail(f"--traces {traces} does not exist; pass a run's traces.jsonl (rollout/eval --traces write one)")
+    for name, v in (("traces-count", traces_count), ("lora-r", lora_r), ("threads", threads),
+                    ("repeats", repeats), ("chunk", chunk)):  # fmt: skip
+        if v < 1:
+            fail(f"--{name} must be at least 1, got {v}")
+    if backend not in ("chunked", "flex", "dense"):
+        fail(f"--backend {backend!r} is not one of chunked, flex, dense")
+    if backend == "flex" and not device.startswith("cuda"):
+        fail("--backend flex needs --device cuda: flex attention has no backward on CPU")
+    check_device(device)
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        fail(f"bench trainer-hf compares against transformers + peft, and {e.name} is missing: "
+             "pip install 'compactrl[test,lora]'")  # fmt: skip
+    with progress_bar("bench trainer-hf") as progress:
+        try:
+            r = run_trainer_hf_bench(
+                model_dir, traces, lora_r=lora_r, n_traces=traces_count, repeats=repeats, threads=threads,
+                chunk=chunk, device=device, backend=backend, progress=progress,
+            )  # fmt: skip
+        except ValueError as e:
+            fail(str(e))
+    if as_json:
+        emit_json(r, output)
+    else:
+        if output:
+            output.write_text(json.dumps(r, indent=2) + "\n")
+        m, model = r["machine"], r["model"]
+        out.print(f"{m['cpu']} · {m['device']} · {m['threads']} threads · {model['source']} "
+                  f"({model['parameters']:,} params) · LoRA r {r['lora']['r']}")  # fmt: skip
+        out.print(f"{r['n_traces']} traces, {r['tokens']} tokens ({r['evicted_tokens']} evicted, "
+                  f"{r['trainable_tokens']} trained) from {r['traces']}")  # fmt: skip
+        out.print(f"forward+backward: ours {r['ours_s']:.3f} s ({r['ours_tokens_per_s']:.0f} tok/s), "
+                  f"transformers+peft {r['hf_s']:.3f} s ({r['hf_tokens_per_s']:.0f} tok/s), "
+                  f"hf / ours {r['ours_vs_hf']:.2f}")  # fmt: skip
+        out.print(f"max |log-prob diff| {r['max_abs_logprob_diff']:.1e} (tolerance {r['tolerance']:.0e}), "
+                  f"LoRA grads rel. diff {r['max_rel_lora_grad_diff']:.1e}, "
+                  f"causal-mask control {r['causal_mask_diff']:.2e} (must be > 1e-3)")  # fmt: skip
+    if not r["same_values"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("engine")
 def bench_engine(
     model_dir: Annotated[

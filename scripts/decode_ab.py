@@ -1,16 +1,19 @@
-"""Decode speed of this checkout against an earlier commit, side by side in one run.
+"""Prefill and decode speed of this checkout against an earlier commit, side by side in one run.
 
-  python scripts/decode_ab.py --before 8a6b94b [--size small] [--rounds 5] [--threads 1]
+  python scripts/decode_ab.py --before 8a6b94b [--size small | --model runs/smollm2] [--batch 8]
+                              [--context 128] [--new-tokens 64] [--rounds 5] [--threads 1]
 
-Both trees decode the same batch (8 sessions, 128-token prompts, 64 new tokens, no evictor) in
-subprocesses that take turns, ``--rounds`` times each; the JSON reports each tree's median decode
-tokens/s and their ratio. Used to check that sessions without a token evictor decode as fast as
-before the evictor hooks existed (the commit before them: 8a6b94b).
+Both trees prefill and decode the same batch (``--batch`` sessions of ``--context`` random prompt
+tokens, ``--new-tokens`` each, no evictor) in subprocesses that take turns, ``--rounds`` times
+each; the JSON reports each tree's median tokens/s and their ratios. Used to check that sessions
+without a token evictor decode as fast as before the evictor hooks existed (8a6b94b), and to
+measure each engine change alone (e.g. the oneDNN GEMMs: ``--before 65bead3 --model runs/smollm2``).
 """
 
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -20,19 +23,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 JOB = """
 import json, sys, time, torch
-torch.set_num_threads(int(sys.argv[2]))
+size, threads, batch, context, new = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])
+torch.set_num_threads(threads)
 from compactrl.engine import Engine, EngineConfig, SamplingParams
-from compactrl.models.tiny import init_random, tiny_config
-lm = init_random(tiny_config("qwen3", vocab_size=300, size=sys.argv[1], eos_token_id=[1]), seed=0).eval()
-eng = Engine(lm, None, EngineConfig())
-ss = [eng.session() for _ in range(8)]
+if size.startswith("model="):
+    from compactrl.models.loading import load_model
+    lm = load_model(size[len("model="):])
+else:
+    from compactrl.models.tiny import init_random, tiny_config
+    lm = init_random(tiny_config("qwen3", vocab_size=300, size=size, eos_token_id=[1]), seed=0).eval()
+vocab = lm.config.vocab_size
+config = EngineConfig(kv_pool_tokens=batch * (context + new + 8), max_step_tokens=max(2048, context))
+eng = Engine(lm, None, config)
+ss = [eng.session() for _ in range(batch)]
+t = time.perf_counter()
 for k, s in enumerate(ss):
-    s.append([(k + i) % 290 + 2 for i in range(128)])
+    s.append([(7 * k + 13 * i) % (vocab - 10) + 5 for i in range(context)])
 eng.run()
-gens = [s.generate(SamplingParams(max_tokens=64, seed=k, ignore_eos=True)) for k, s in enumerate(ss)]
+prefill = batch * context / (time.perf_counter() - t)
+gens = [s.generate(SamplingParams(max_tokens=new, seed=k, ignore_eos=True)) for k, s in enumerate(ss)]
 t = time.perf_counter()
 eng.run()
-print(json.dumps(8 * 64 / (time.perf_counter() - t)))
+print(json.dumps([prefill, batch * new / (time.perf_counter() - t)]))
 """
 
 
@@ -40,6 +52,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="git revision to compare with")
     p.add_argument("--size", default="small", help="generated model size: tiny | small | base")
+    p.add_argument("--model", default=None, help="a model folder instead (e.g. runs/smollm2)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
@@ -48,20 +64,27 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before), a.before],
                        check=True)  # fmt: skip
         try:
-            rates: dict[str, list[float]] = {"before": [], "now": []}
+            rates: dict[str, list[list[float]]] = {"before": [], "now": []}
+            model = f"model={Path(a.model).resolve()}" if a.model else a.size
+            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens)]
             for r in range(a.rounds):
                 order = [("before", before), ("now", ROOT)]
                 for name, tree in order if r % 2 == 0 else order[::-1]:
                     env = {**os.environ, "PYTHONPATH": str(tree)}
-                    out = subprocess.run([sys.executable, "-c", JOB, a.size, str(a.threads)], env=env,
+                    out = subprocess.run([sys.executable, "-c", JOB, *args], env=env,
                                          capture_output=True, text=True, check=True)  # fmt: skip
                     rates[name].append(json.loads(out.stdout))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    pre, dec = ({k: statistics.median(r[i] for r in v) for k, v in rates.items()} for i in (0, 1))
     print(json.dumps({
-        "before": a.before, "size": a.size, "threads": a.threads, "cores": os.cpu_count(), "rounds": a.rounds,
-        "decode_tokens_per_s": med, "runs": rates, "ratio_now_vs_before": med["now"] / med["before"],
+        "before": a.before, "model": a.model or a.size, "batch": a.batch, "context": a.context,
+        "new_tokens": a.new_tokens, "threads": a.threads, "cores": os.cpu_count(), "rounds": a.rounds,
+        "cpu": platform.processor() or platform.machine(),
+        "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
+        "decode_now_vs_before": dec["now"] / dec["before"],
+        "prefill_now_vs_before": pre["now"] / pre["before"],
+        "runs": rates,
     }, indent=1))  # fmt: skip
 
 

@@ -1,0 +1,192 @@
+"""`compactrl bench trainer-hf`: our one-pass stream trainer against transformers + peft, same values.
+
+The question is whether the trainer's own decoder and chunked eviction-mask attention is worth
+having over the obvious alternative: a Hugging Face model with peft LoRA, fed the whole stream
+with a dense 4-D eviction mask through SDPA. Both arms load the same checkpoint in float32, get
+identical LoRA adapters (the same random, non-zero A and B: peft starts B at 0, where the
+adapters do nothing and A gets no gradient), and train on the same real stream traces: forward,
+``loss = -sum(log-probs of the policy tokens)``, backward into the adapters.
+
+Before anything is timed the arms must agree: per-token log-probs to ``TOLERANCE`` and the LoRA
+gradients to float32 accuracy, and, as a negative control, the HF arm under a plain causal mask
+must *not* agree (else the traces' evictions would not be exercised and the comparison would
+say nothing about them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from compactrl.bench.trainer import machine_info, timed
+from compactrl.models.config import load_config
+from compactrl.models.loading import config_summary, load_model
+from compactrl.models.lora import PROJECTIONS, LoraSettings, add_lora
+from compactrl.rl.forward import Backend, stream_logprobs
+from compactrl.trace import Trace, load_traces
+
+DEFAULT_TRACES = Path("runs/bench_sidequest_replicate/a-sidequest-every2/traces.jsonl")
+TOLERANCE = 5e-5  # max |log-prob difference| in float32 for the two arms to count as the same computation
+
+
+def stream_traces(path: str | Path, n: int, vocab_size: int) -> list[Trace]:
+    """The first ``n`` main traces that evict something. SideQuest's auxiliary-thread traces
+    (``meta["aux"]``) are skipped: our trainer splices them into their main trace's stream, which
+    a single HF forward per trace has no counterpart of, so only main traces are compared."""
+    traces = [t for t in load_traces(path) if not t.meta.get("aux") and t.num_evicted][:n]
+    if not traces:
+        raise ValueError(f"{path} holds no main trace with evictions; pass --traces with stream-mode "
+                         "traces of a compacting strategy (a run's traces.jsonl)")  # fmt: skip
+    for t in traces:
+        t.validate(vocab_size)
+    return traces
+
+
+def eviction_mask(evict_at: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, T, T]`` additive float mask, 0 where ``j <= i < evict_at[j]`` and -inf elsewhere.
+    Built here from ``evict_at`` alone (not with compactrl.masks), so the HF arm does not share our
+    mask code; transformers 5 hands a 4-D mask to SDPA as it is."""
+    T = len(evict_at)
+    i = torch.arange(T, device=evict_at.device)[:, None]
+    j = torch.arange(T, device=evict_at.device)[None, :]
+    seen = (j <= i) & (i < evict_at[None, :])
+    return torch.zeros(T, T, device=evict_at.device).masked_fill(~seen, float("-inf"))[None, None]
+
+
+def hf_logprobs(hf: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``out[i] = log p(tokens[i] | what query i-1 saw)``, ``out[0] = 0``: stream_logprobs' convention."""
+    T = len(tokens)
+    pos = torch.arange(T, device=tokens.device)[None]
+    logits = hf(input_ids=tokens[None], position_ids=pos, attention_mask=mask, use_cache=False).logits[0]
+    lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, tokens[1:, None])[:, 0]
+    return torch.cat([lp.new_zeros(1), lp])
+
+
+def lora_pair(model_dir: str | Path, r: int, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Ours and transformers' model of ``model_dir``, each with LoRA (r, alpha 2r, all seven
+    projections, no dropout) holding the same seeded random weights; trainable: the adapters only."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    ours = load_model(model_dir, dtype="float32", device=device)
+    add_lora(ours, LoraSettings(r=r, alpha=2 * r))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(PROJECTIONS))
+    with warnings.catch_warnings():  # peft 0.21 reads an attribute transformers 5 deprecated; harmless
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        hf = get_peft_model(hf, config).to(device)
+    theirs = {k.removeprefix("base_model.model."): p for k, p in hf.named_parameters() if p.requires_grad}
+    mine = {k: p for k, p in ours.named_parameters() if p.requires_grad}
+    if set(mine) != set(theirs):
+        raise AssertionError(f"adapter names differ: {sorted(set(mine) ^ set(theirs))[:4]}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in mine.items():  # A ~ 1/sqrt(fan-in); B small: the adapters shift outputs a few %
+            scale = p.shape[1] ** -0.5 if ".lora_A." in name else 0.02 * r**-0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            theirs[name].copy_(p)
+    return ours.train(), hf.train()
+
+
+def grad_diff(ours: torch.nn.Module, hf: torch.nn.Module) -> float:
+    """Worst adapter tensor's max |grad difference| over its own max |grad| (its scale)."""
+    theirs = {k.removeprefix("base_model.model."): p.grad for k, p in hf.named_parameters()
+              if p.requires_grad}  # fmt: skip
+    return max(float((p.grad - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-30))
+               for k, p in ours.named_parameters() if p.requires_grad)  # fmt: skip
+
+
+def run_trainer_hf_bench(
+    model_dir: str | Path,
+    traces_path: str | Path = DEFAULT_TRACES,
+    *,
+    lora_r: int = 16,
+    n_traces: int = 8,
+    repeats: int = 3,
+    threads: int = 1,
+    chunk: int = 256,
+    device: str = "cpu",
+    backend: Backend = "chunked",
+    progress: Callable[[int], Callable[[], None]] | None = None,
+) -> dict:
+    torch.set_num_threads(threads)
+    # the traces are checked (and the vocabulary) before the models are loaded: bad input fails fast
+    traces = stream_traces(traces_path, n_traces, load_config(Path(model_dir)).vocab_size)
+    ours, hf = lora_pair(model_dir, lora_r, device)
+    tokens = [torch.as_tensor(t.tokens, device=device) for t in traces]
+    masks = [eviction_mask(torch.as_tensor(t.evict_at, device=device)) for t in traces]
+    weights = [torch.as_tensor(t.trainable, device=device) for t in traces]
+
+    def ours_step(k: int) -> torch.Tensor:
+        lp = stream_logprobs(ours, [traces[k]], chunk=chunk, backend=backend)[0]
+        (-(lp * weights[k]).sum()).backward()
+        return lp.detach()
+
+    def hf_step(k: int) -> torch.Tensor:
+        lp = hf_logprobs(hf, tokens[k], masks[k])
+        (-(lp * weights[k]).sum()).backward()
+        return lp.detach()
+
+    advance = progress((repeats + 1) * len(traces)) if progress else (lambda: None)
+    # Round 0, untimed, warms both arms up and yields the values compared: per trace, the
+    # log-probs and adapter gradients of both arms, and the HF arm under a causal mask.
+    lp_diff, g_diff, causal_diff = 0.0, 0.0, float("inf")
+    for k in range(len(traces)):
+        ours.zero_grad(set_to_none=True)
+        hf.zero_grad(set_to_none=True)
+        a, b = ours_step(k), hf_step(k)
+        w = weights[k]
+        lp_diff = max(lp_diff, float((a - b)[w].abs().max()))
+        g_diff = max(g_diff, grad_diff(ours, hf))
+        with torch.no_grad():
+            causal = hf_logprobs(hf, tokens[k], eviction_mask(torch.full_like(tokens[k], len(tokens[k]))))
+        causal_diff = min(causal_diff, float((a - causal)[w].abs().max()))
+        advance()
+    # Then the arms take turns on every trace (A B, A B, ...), so machine drift hits both alike.
+    runs: dict[str, list[float]] = {"ours": [], "hf": []}
+    for _ in range(repeats):
+        total = {"ours": 0.0, "hf": 0.0}
+        for k in range(len(traces)):
+            total["ours"] += timed(lambda k=k: len(ours_step(k)), ours)[0]
+            total["hf"] += timed(lambda k=k: len(hf_step(k)), hf)[0]
+            advance()
+        for arm, s in total.items():
+            runs[arm].append(s)
+    med = {arm: statistics.median(v) for arm, v in runs.items()}
+    n_tok = sum(len(t) for t in traces)
+    return {
+        "benchmark": "trainer_hf",
+        "machine": machine_info(threads, device),
+        "model": config_summary(ours.config) | {"source": str(model_dir)},
+        "dtype": "float32",
+        "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(PROJECTIONS)},
+        "traces": str(traces_path),
+        "n_traces": len(traces),
+        "tokens": n_tok,
+        "trainable_tokens": int(sum(t.trainable.sum() for t in traces)),
+        "evicted_tokens": sum(t.num_evicted for t in traces),
+        "stream_backend": backend,
+        "attention_chunk": chunk,
+        "hf_attention": "sdpa, dense 4-D additive eviction mask",
+        "repeats": repeats,
+        "warmup": "one untimed round of both arms (the value checks), then the arms interleaved per trace",
+        "ours_s": med["ours"],
+        "hf_s": med["hf"],
+        "ours_vs_hf": med["hf"] / med["ours"],
+        "ours_tokens_per_s": n_tok / med["ours"],
+        "hf_tokens_per_s": n_tok / med["hf"],
+        "max_abs_logprob_diff": lp_diff,
+        "max_rel_lora_grad_diff": g_diff,
+        "causal_mask_diff": causal_diff,  # the trace where a causal mask comes closest to ours
+        "tolerance": TOLERANCE,
+        "same_values": lp_diff <= TOLERANCE,
+        "runs_s": runs,  # per repeat, the whole trace set: the spread behind the medians
+    }
