@@ -72,13 +72,17 @@ def one_and_two_ranks(tiny_lm):
     torch.set_num_threads(1)
     samples = samples_of(engine_traces(tiny_lm, n=6))
     # one trace per micro-batch on both sides: the forwards are the same computations, so what is
-    # left to differ is the order the per-trace gradients are summed in
+    # left to differ is the order the per-trace gradients are summed in (float32 rounding, which
+    # AdamW's m / sqrt(v) scales up where a gradient is tiny: TOL; the normalisation bug gives 1e-4)
     cfg = load_config(TrainConfig, None, ["cluster.backend=ray", "cluster.trainer_workers=2",
                                           "train.lr=1e-3", "train.micro_batch_tokens=1"])  # fmt: skip
     one = Trainer(copy.deepcopy(tiny_lm), cfg.train)
     dp = DataParallelTrainer(copy.deepcopy(tiny_lm), cfg.train)
     dp.start(cfg)
     return samples, cfg, one, dp
+
+
+TOL = 2e-6
 
 
 def params(t):
@@ -93,7 +97,7 @@ def test_two_trainer_ranks_take_the_one_process_update(cluster, tiny_lm):
             for t in (one, dp):
                 t.settings = cfg.train.model_copy(update={"norm": norm, "norm_constant": 64.0})
             a, b = one.step(samples), dp.step(samples)
-            assert float((params(one) - params(dp)).abs().max()) < 1e-6, norm
+            assert float((params(one) - params(dp)).abs().max()) < TOL, norm
             assert b["trained_tokens"] == a["trained_tokens"] and abs(b["loss"] - a["loss"]) < 1e-6
             assert b["mismatch_kl"] == pytest.approx(a["mismatch_kl"], rel=1e-5)  # of weights 1e-6 apart
             rank1 = torch.cat([p.flatten() for p in dp.rank_parameters(1)])
@@ -154,7 +158,7 @@ def test_a_rank_that_fails_fails_the_step_on_every_rank_and_none_steps(cluster, 
         assert torch.equal(params(dp), start)  # no rank stepped
         assert torch.equal(torch.cat([p.flatten() for p in dp.rank_parameters(1)]), start)
         one.step(samples), bounded(lambda: dp.step(samples))  # the ranks go on together
-        assert float((params(one) - params(dp)).abs().max()) < 1e-6
+        assert float((params(one) - params(dp)).abs().max()) < TOL
         assert torch.equal(torch.cat([p.flatten() for p in dp.rank_parameters(1)]), params(dp))
     finally:
         dp.close()
