@@ -70,8 +70,8 @@ def main() -> None:
             for r in range(a.rounds):
                 order = [("before", before), ("now", ROOT)]
                 for name, tree in order if r % 2 == 0 else order[::-1]:
-                    env = {**os.environ, "PYTHONPATH": str(tree)}
-                    out = subprocess.run([sys.executable, "-c", JOB, *args], env=env,
+                    env = {**os.environ, "PYTHONPATH": str(tree)}  # and cwd: python -c puts it first
+                    out = subprocess.run([sys.executable, "-c", JOB, *args], env=env, cwd=tree,
                                          capture_output=True, text=True, check=True)  # fmt: skip
                     rates[name].append(json.loads(out.stdout))
         finally:
