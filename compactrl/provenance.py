@@ -47,6 +47,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_features() -> list[str]:
+    """The vector and matrix units torch's CPU kernels (and oneDNN's) can use here: what decides
+    whether bfloat16 GEMMs run natively (AVX512-BF16, AMX) or emulated."""
+    checks = {
+        "avx2": "_is_avx2_supported",
+        "avx512": "_is_avx512_supported",
+        "avx512_vnni": "_is_vnni_supported",
+        "avx512_bf16": "_is_avx512_bf16_supported",
+        "amx": "_is_amx_tile_supported",
+    }
+    return [name for name, fn in checks.items() if getattr(torch.cpu, fn, lambda: False)()]
+
+
 def provenance(weights: dict[str, str | Path | None]) -> dict:
     """``weights``: a name for each folder the result read (model, adapters) -> its folder."""
     versions = {}
@@ -64,4 +77,5 @@ def provenance(weights: dict[str, str | Path | None]) -> dict:
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels torch dispatches to
+        "cpu_features": cpu_features(),
     }

@@ -115,6 +115,23 @@ def _run(engine: Engine, task: dict, strategy_cfg, evictor, mode: str, seeds: li
     }
 
 
+def check_params(
+    tasks: tuple[str, ...], methods: tuple[str, ...], fractions: tuple[float, ...] | None, episodes: int,
+    threads: int,
+) -> None:  # fmt: skip
+    """Raise ValueError (naming the CLI's flags) on an unknown task or evictor, or a budget that is
+    not a fraction of the full-context peak."""
+    for flag, given, known in (("--task", tasks, TASKS), ("--evictor", methods, EVICTORS)):
+        if set(given) - set(known):
+            raise ValueError(f"{flag} {sorted(set(given) - set(known))} unknown; choose from {list(known)}")
+    if fractions and not all(0 < f < 1 for f in fractions):
+        raise ValueError(
+            f"--budget {list(fractions)}: give fractions of the full-context peak, between 0 and 1"
+        )
+    if min(episodes, threads) < 1:
+        raise ValueError("--episodes and --threads must be >= 1")
+
+
 def run_evictors_bench(
     model_dir: Path | None,
     tasks: tuple[str, ...] = tuple(TASKS),

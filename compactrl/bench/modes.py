@@ -43,6 +43,25 @@ from compactrl.models.loading import config_summary
 from compactrl.models.tiny import write_tiny_model
 
 STRATEGY_NAMES = ("sliding_window", "markovian", "summary", "pick")
+SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # concurrency levels of part 2
+
+
+def check_params(
+    strategies: tuple[str, ...], episodes: int, n_rooms: int, window: int, threads: int, repeats: int,
+    sweep: tuple[int, ...], vllm_python: str | None, tiny_model: bool,
+) -> None:  # fmt: skip
+    """Raise ValueError (naming the CLI's flags) on arguments :func:`run_modes_bench` cannot run;
+    ``tiny_model``: the model will be generated at size tiny (too small a head for vLLM)."""
+    bad = sorted(set(strategies) - set(STRATEGY_NAMES))
+    if bad:
+        raise ValueError(f"--strategy {bad} unknown; choose from {list(STRATEGY_NAMES)}")
+    if min(episodes, n_rooms, window, threads, repeats, *sweep) < 1:
+        raise ValueError("--episodes, --rooms, --window, --threads, --repeats and --sweep must be >= 1")
+    if vllm_python is not None:
+        if not Path(vllm_python).exists():
+            raise ValueError(f"--vllm-python {vllm_python} does not exist")
+        if tiny_model:
+            raise ValueError("vLLM needs head_dim >= 32, which the tiny model lacks: add --size small")
 
 
 def _strategy(name: str, window: int, budget: int):
@@ -233,7 +252,7 @@ def run_modes_bench(
     window: int = 10,
     budget: int = 2400,
     repeats: int = 3,
-    sweep: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+    sweep: tuple[int, ...] = SWEEP,
     sweep_rooms: int = 64,
     sweep_filler: int = 8,
     sweep_window: int = 8,

@@ -30,11 +30,17 @@ import numpy as np
 import torch
 
 from compactrl.bench.cost import extra_prefill
-from compactrl.bench.synthetic import STRATEGIES, Strategy, kept_per_compaction, synthetic_rollout
+from compactrl.bench.synthetic import (
+    STRATEGIES,
+    Strategy,
+    check_shape,
+    kept_per_compaction,
+    synthetic_rollout,
+)
 from compactrl.models.decoder import CausalLM, token_logprobs
 from compactrl.models.loading import config_summary, load_model
 from compactrl.models.tiny import write_tiny_model
-from compactrl.provenance import cpu_name
+from compactrl.provenance import cpu_features, cpu_name
 from compactrl.rl.forward import Backend, Segment, reprefill_segments, stream_logprobs
 from compactrl.trace import Trace
 
@@ -42,6 +48,7 @@ from compactrl.trace import Trace
 def machine_info(threads: int, device: str = "cpu") -> dict:
     return {
         "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
         "cores": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,
@@ -148,6 +155,36 @@ def bench_strategy(
         "scaling": med["stream_2n"] / med["stream"],
         "runs_s": dict(times),  # every timed run per arm, in order: the spread behind the medians
     }
+
+
+def check_params(
+    strategies: tuple[str, ...], n_tokens: int, budget: int, turn_len: int, threads: int, repeats: int,
+    device: str, dtype: str, backend: str,
+) -> None:  # fmt: skip
+    """Raise ValueError (naming the CLI's flags) on a shape that would not compact, or an
+    attention backend, device or dtype the trainer cannot run."""
+    for name, v in (("tokens", n_tokens), ("budget", budget), ("turn-len", turn_len), ("threads", threads)):
+        if v <= 0:
+            raise ValueError(f"--{name} must be positive, got {v}")
+    if n_tokens < 2 * budget:
+        raise ValueError(
+            f"--tokens ({n_tokens}) must be at least 2 x --budget ({budget}) so that compactions happen"
+        )
+    if repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    if backend not in ("chunked", "flex", "dense"):
+        raise ValueError(f"--backend {backend!r} is not one of chunked, flex, dense")
+    if backend == "flex" and not device.startswith("cuda"):
+        raise ValueError("--backend flex needs --device cuda: flex attention has no backward on CPU")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device (is this a CPU build of torch?)")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype {dtype!r} is not one of float32, bfloat16")
+    try:
+        for s in strategies:
+            check_shape(s, budget, turn_len)
+    except ValueError as e:
+        raise ValueError(f"{e} (--strategy / --budget / --turn-len)") from None
 
 
 def run_trainer_bench(
