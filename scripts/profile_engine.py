@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from compactrl.bench.trainer import machine_info
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 
 KINDS = {  # aten op -> kind (ops not named here count as "other")
@@ -113,8 +113,8 @@ def main() -> None:
     eng = engine(a.model, a.dtype, a.matmul)
     run(eng, 1, 16, 2)  # warm-up
     params = sum(x.numel() for x in eng.model.parameters())
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
-                          "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()},
+    machine = machine_info(a.threads) | {"capability": torch.backends.cpu.get_cpu_capability()}
+    result = {"machine": machine,
               "model": a.model or "SmolLM2-135M shape (random)", "parameters": params, "dtype": a.dtype,
               "matmul": eng.linears.kind, "settings": []}  # fmt: skip
     for b in a.batch:

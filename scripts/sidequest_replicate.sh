@@ -31,7 +31,6 @@ thread2() {  # thread2 SEED: the two-hop thread adapter (configs/sidequest/train
 [ -f runs/smollm2/config.json ] || compactrl import-gguf --smollm2 runs/smollm2
 stage runs/browse/sft_smollm2/checkpoints/step_00000160 runs/browse/sft_smollm2 \
   compactrl train configs/browse/sft_smollm2.toml
-stage "$hops4" runs/browse/sft_smollm2_hops4 compactrl train configs/browse/sft_smollm2_hops4.toml --set threads=2
 bench() { compactrl bench memory configs/bench/sidequest_replicate.toml --set threads=1 --only "$@"; }
 bench2() { compactrl bench memory configs/bench/sidequest_twohop_replicate.toml --set threads=1 --only "$@"; }
 sets=("$@")
@@ -40,6 +39,7 @@ declare -A seed=([a]=0 [b]=1000 [c]=2000)
 for s in "${sets[@]}"; do
   case $s in
     [abc])
+      stage "$hops4" runs/browse/sft_smollm2_hops4 compactrl train configs/browse/sft_smollm2_hops4.toml --set threads=2
       bench "$s-full" & thread "${seed[$s]}" & wait
       bench "$s-sidequest-every2" & bench "$s-keep-last-cursors-2" & wait
       bench "$s-random-cursors" & bench "$s-snapkv-at-peak" & wait

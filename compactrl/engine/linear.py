@@ -1,8 +1,8 @@
 """The linear layers of an engine step, and float32 logits for a low-precision model.
 
 A bfloat16 (or float16) GEMM multiplies its inputs exactly, accumulates in float32 and rounds the
-output once. CUDA and x86 CPUs with AVX512 (oneDNN's bfloat16 path; AMX where present) do that in
-hardware. An AVX2-only CPU (AMD Zen 3, older Xeons) has no such path: there torch's bfloat16
+output once. CUDA and x86 CPUs with AVX512-BF16 or AMX (through oneDNN) do that in hardware.
+An AVX2-only CPU (AMD Zen 3, older Xeons) has no such path: there torch's bfloat16
 GEMM is *slower* than float32 from a few rows up (on SmolLM2-135M's shapes, one core of an AMD
 EPYC: 1.6x at 8 rows, 5x at 32, 7x at 128). :class:`Linears` then runs the same math as a
 float32 GEMM: it converts the weight to float32 a block of rows at a time into one reused buffer
@@ -37,13 +37,16 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def has_native_low_precision_matmul(device: torch.device | str) -> bool:
     """Whether bfloat16 GEMMs run at least at float32 speed on ``device``: CUDA, or a CPU with
-    oneDNN's bfloat16 support (AVX512, AVX512-BF16, AMX)."""
+    bfloat16 dot products in hardware (AVX512-BF16 or AMX) and a oneDNN that uses them. Decided
+    from the CPU's features, not by timing at start, so a run's kernels (and its bfloat16
+    rounding) depend on the machine alone. Plain AVX512 emulates bfloat16 and is left out."""
     if torch.device(device).type != "cpu":
         return True
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
+    return onednn and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class Linears:
@@ -75,7 +78,7 @@ class Linears:
         if self.onednn and not (p.dtype == torch.float32 or (p.dtype == torch.bfloat16 and native)):
             raise ValueError(
                 f"matmul mode onednn needs float32, or bfloat16 on a CPU with native bfloat16 GEMMs "
-                f"(AVX512); this model is {p.dtype}: use auto"
+                f"(AVX512-BF16 or AMX); this model is {p.dtype}: use auto"
             )
         self._packs: dict[tuple[int, ...], tuple] = {}
         self.upcast = self.low_precision and (mode == "float32" or (mode == "auto" and not native))
