@@ -6,7 +6,7 @@
 * :func:`reference` is the Markdown of ``docs/config.md``: each field's dotted path, type, default and
   description, generated from the pydantic models (a test keeps the file in sync).
 
-Two kinds of config exist: ``train`` (:class:`~compactrl.rl.loop.TrainConfig`, for ``train`` and
+Two kinds of config exist: ``train`` (:class:`~compactrl.rl.config.TrainConfig`, for ``train`` and
 ``eval``) and ``rollout`` (:class:`~compactrl.agent.batch.RolloutConfig`)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pydantic
 
 from compactrl.agent.batch import RolloutConfig
 from compactrl.config import ConfigError, _variants, load_config, read_toml
-from compactrl.rl.loop import TrainConfig
+from compactrl.rl.config import TrainConfig
 
 KINDS: dict[str, type[pydantic.BaseModel]] = {"train": TrainConfig, "rollout": RolloutConfig}
 USED_BY = {"train": "`compactrl train`, `compactrl eval`", "rollout": "`compactrl rollout`"}
@@ -320,7 +320,7 @@ def reference() -> str:
         "",
         "Any field can be overridden on the command line with `--set section.field=value` (repeatable; "
         "the value is a TOML literal, else a string; `--set evictor=` removes a section the file set). "
-        "`env` and `strategy` are each one of several "
+        "`env`, `strategy` and (in train configs) `objective` are each one of several "
         "variants, picked by their `name`; `--set strategy.name=summary` switches the variant and drops "
         "the old variant's fields the new one lacks. `compactrl config show CONFIG [--set ...]` prints "
         "a config as it resolves, with every default filled in. \"unset\" means the field is left out "

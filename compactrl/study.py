@@ -109,7 +109,7 @@ def expand(study: StudyConfig) -> list[tuple[str, str, list[str], int]]:
         raise ConfigError(
             f"run names repeat ({names}): put each grid field in the name, e.g. 'rl_k{{env_k}}'"
         )
-    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.config import TrainConfig
 
     for name, config, sets, stage in runs:
         for ev in [None, *study.eval]:
@@ -184,7 +184,7 @@ def _eval_file(out: str, ckpt: Path, ev: EvalSpec) -> Path:
 
 def _successes(config: str, sets: list[str], ev: EvalSpec) -> dict[int, float] | None:
     """Episode seed -> success (reward >= 1) of the run's evaluation ``ev``; None if not evaluated."""
-    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.config import TrainConfig
 
     try:
         ckpt = resolve_checkpoint(load_config(TrainConfig, config, sets).out)
@@ -217,7 +217,7 @@ def _compared(study: StudyConfig, by_name: dict, rows: list[dict]) -> list[dict]
 def _evaluate(study: StudyConfig, name: str, config: str, sets: list[str], ev: EvalSpec, ckpt: Path,
               summary: dict, totals: dict, log: Path) -> dict:  # fmt: skip
     """The row of one evaluation of the run's checkpoint ``ckpt`` (read back if done before)."""
-    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.config import TrainConfig
 
     cfg = load_config(TrainConfig, config, [*sets, *ev.set])
     path = _eval_file(cfg.out, ckpt, ev)
@@ -266,7 +266,7 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
     if unknown:
         raise ConfigError(f"{path}: compare names {unknown}, which are not runs of the study: name its runs")
     runs = [by_name[n] for n in dict.fromkeys(only)] if only else every  # --only's order: longest first
-    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.config import TrainConfig
 
     Path(study.out).mkdir(parents=True, exist_ok=True)
     results = Path(study.results)

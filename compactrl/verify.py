@@ -254,7 +254,9 @@ def verify_engine(
         model = model.to(device=device, dtype=torch_dtype)
     vocab = model.config.vocab_size
     pool = pool_tokens or 40 * n_sessions
-    engine = Engine(model, None, EngineConfig(kv_pool_tokens=pool, max_step_tokens=256, matmul=matmul))
+    # no idle grace: which session the small pool preempts depends on the steps, not on the machine's speed
+    config = EngineConfig(kv_pool_tokens=pool, max_step_tokens=256, matmul=matmul, idle_grace_s=0)
+    engine = Engine(model, None, config)
     dists = _record_distributions(engine)
     sessions = _random_rollouts(engine, n_sessions, seed, vocab=vocab)
     traces = [s.trace() for s in sessions]

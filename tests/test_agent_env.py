@@ -258,7 +258,8 @@ def test_the_quickstart_learns_the_same_with_the_count_task_as_an_agent(tmp_path
     count env and on its agent port, same seeds: the first step's data is the same to the token (so its
     reward is), and after training the held-out greedy reward rises by as much: the paired difference's
     interval holds 0."""
-    from compactrl.rl.loop import TrainConfig, evaluate, train
+    from compactrl.rl.evaluate import evaluate
+    from compactrl.rl.loop import TrainConfig, train
     from compactrl.stats import paired_diff
 
     runs = {}

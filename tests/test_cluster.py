@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_trainer import engine_traces, samples_of
 
-from compactrl.cluster import ClusterConfig, connect
+from compactrl.cluster import ClusterConfig, connect, launch
 from compactrl.config import load_config
-from compactrl.rl.loop import TrainConfig, train
+from compactrl.rl.config import TrainConfig
 from compactrl.rl.trainer import Sample, Trainer, token_weights
 from compactrl.trace import Trace
 
@@ -220,7 +220,7 @@ def test_quickstart_on_rollout_workers_learns_as_one_process_and_resumes_after_t
     one-process runs of one seed already part after a few steps. So: step 1 (the same initial
     weights) equals one process's, the resumed step 5 (the step-4 checkpoint) equals the step 5
     the killed driver took, and both runs learn."""
-    one = train(_quickstart(tmp_path / "one"))
+    one = launch(_quickstart(tmp_path / "one"))
     a = _rows(tmp_path / "one")
     assert one["reward"] > a[0]["reward"] + 0.2
     ray_args = ["cluster.backend=ray", "cluster.rollout_workers=2", f"cluster.address={cluster}"]
@@ -229,15 +229,15 @@ def test_quickstart_on_rollout_workers_learns_as_one_process_and_resumes_after_t
         import os, sys
         sys.path.insert(0, "tests")
         from test_cluster import _quickstart
-        from compactrl.rl.loop import train
+        from compactrl.cluster import launch
         cfg = _quickstart({str(tmp_path / "two")!r}, *{ray_args!r})
-        train(cfg, on_step=lambda m: os._exit(9) if m["step"] == 5 else None)
+        launch(cfg, on_step=lambda m: os._exit(9) if m["step"] == 5 else None)
     """)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert killed.returncode == 9, killed.stderr[-2000:]
     before = _rows(tmp_path / "two")
     assert len(before) == 5
-    two = train(_quickstart(tmp_path / "two", *ray_args), resume=True)
+    two = launch(_quickstart(tmp_path / "two", *ray_args), resume=True)
     b = _rows(tmp_path / "two")
     assert [r["step"] for r in b] == list(range(1, 13))  # step 5 taken again, logged once
     assert b[:4] == before[:4]  # the rows the checkpoint covers are kept as they were
@@ -253,7 +253,7 @@ def test_rollout_workers_sample_ahead_within_the_lag_bound(cluster, tmp_path):
     wide = ["train.clip_low=0.99", "train.clip_high=100"]  # as the one-process test of max_lag
     cfg = _quickstart(tmp_path, "cluster.backend=ray", "cluster.rollout_workers=2", "max_lag=1", *wide)
     rows = []
-    train(cfg, on_step=rows.append)
+    launch(cfg, on_step=rows.append)
     assert all(r["lag"] <= 1 and r["errors"] == 0 for r in rows)
     assert sum(r["lag"] == 1 for r in rows) >= len(rows) // 2  # the workers ran ahead of the trainer
     assert all(r["mismatch_kl"] < 1e-6 for r in rows if r["lag"] == 0)
@@ -270,7 +270,7 @@ def test_two_trainer_ranks_train_as_one_process_and_resume_from_a_checkpoint(clu
 
     short = ["steps=4"]
     one = _quickstart(tmp_path / "one", *short)
-    train(one)
+    launch(one)
     dp = _quickstart(tmp_path / "dp", *short, "cluster.backend=ray", "cluster.trainer_workers=2")
 
     def crash(m):
@@ -278,8 +278,8 @@ def test_two_trainer_ranks_train_as_one_process_and_resume_from_a_checkpoint(clu
             raise Crash
 
     with pytest.raises(Crash):
-        train(dp, on_step=crash)
-    train(dp, resume=True)  # the second rank starts from the resumed weights and AdamW state
+        launch(dp, on_step=crash)
+    launch(dp, resume=True)  # the second rank starts from the resumed weights and AdamW state
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "dp")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for k in ("reward", "tokens", "trained_tokens"):
@@ -306,7 +306,7 @@ def test_a_failed_data_parallel_step_stops_the_run_and_it_resumes(cluster, tmp_p
     monkeypatch.setattr(trainer.Trainer, "_accumulate", flaky)
     dp = _quickstart(tmp_path, "steps=4", "cluster.backend=ray", "cluster.trainer_workers=2")
     with pytest.raises(RuntimeError, match="failed on rank 0: MemoryError: injected on rank 0"):
-        bounded(lambda: train(dp))
+        bounded(lambda: launch(dp))
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
-    bounded(lambda: train(dp, resume=True))
+    bounded(lambda: launch(dp, resume=True))
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]

@@ -13,9 +13,10 @@ def test_set_inf_and_nan_are_text_for_a_string_field_and_numbers_for_a_float_fie
     float field gets the number, an int field names the problem."""
     for text in ("inf", "+inf", "-inf", "nan", "1e999"):
         assert load_config(TrainConfig, None, [f"out={text}"]).out == text
-    cfg = load_config(TrainConfig, None, ["rft_min_reward=-inf", "train.grad_clip=inf"])
-    assert cfg.rft_min_reward == -math.inf and cfg.train.grad_clip == math.inf
-    assert math.isnan(load_config(TrainConfig, None, ["rft_min_reward=nan"]).rft_min_reward)
+    rft = "objective.name=rft"
+    cfg = load_config(TrainConfig, None, [rft, "objective.min_reward=-inf", "train.grad_clip=inf"])
+    assert cfg.objective.min_reward == -math.inf and cfg.train.grad_clip == math.inf
+    assert math.isnan(load_config(TrainConfig, None, [rft, "objective.min_reward=nan"]).objective.min_reward)
     assert load_config(TrainConfig, None, ["train.lr=1e-3", "out=runs/x"]).train.lr == 1e-3  # as before
     with pytest.raises(ConfigError, match="steps: Input should be a valid integer.*from --set steps=inf"):
         load_config(TrainConfig, None, ["steps=inf"])

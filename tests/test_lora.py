@@ -108,7 +108,8 @@ def test_eval_of_a_thread_adapter_run_runs_the_adapter_on_the_forks_only(tmp_pat
 
     from compactrl.config import load_config
     from compactrl.models.lora import load_thread_adapter
-    from compactrl.rl.loop import TrainConfig, evaluate, train
+    from compactrl.rl.evaluate import evaluate
+    from compactrl.rl.loop import TrainConfig, train
     from compactrl.trace import load_traces
 
     def gap(model, trace) -> float:  # the engine's sampling log-probs vs the model's one-pass forward

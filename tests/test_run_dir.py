@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from compactrl.cli import app
 from compactrl.config import load_config
 from compactrl.rl.checkpoint import CheckpointError, CheckpointWriteError, check_checkpoint, latest_checkpoint
-from compactrl.rl.loop import Interrupted, TrainConfig, evaluate, train
+from compactrl.rl.evaluate import evaluate
+from compactrl.rl.loop import Interrupted, TrainConfig, train
 from compactrl.rl.run_dir import RunDirError
 
 SMALL = ["prompts=2", "group_size=2", "checkpoint_every=1"]

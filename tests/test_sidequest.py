@@ -443,7 +443,7 @@ def test_the_sidequest_objective_learns_the_thread_and_stays_near_the_reference(
 
     sets = [f"out={tmp_path}", "steps=12", "prompts=2", "threads=1", "model.path=", "model.size=tiny",
             "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lora=", "train.lr=3e-3",
-            "sidequest.kl=5.0", "checkpoint_every=6"]  # fmt: skip
+            "objective.kl=5.0", "checkpoint_every=6"]  # fmt: skip
     cfg = load_config(TrainConfig, "configs/sidequest/train.toml", sets)
     train(cfg)
     rows = load_metrics(tmp_path)
@@ -500,7 +500,7 @@ def test_a_thread_still_running_when_its_episode_ends_is_flagged_and_not_scored(
 def test_threads_train_with_their_episodes_advantage_discounted_from_their_fork(setup):
     """An unfinished thread is no training sample; the others carry the episode's advantage times
     gamma ** (the main thread's action tokens from their fork on), as an action there would."""
-    from compactrl.rl.loop import thread_samples
+    from compactrl.rl.objectives.rollouts import thread_samples
 
     results = play(setup, "stream", parallel=True, seeds=[3, 4, 5, 6])
     assert sum(r.aux_unfinished for r in results) > 0
@@ -537,8 +537,8 @@ def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_adv
 
     sets = [f"out={tmp_path}", "steps=1", "prompts=2", "group_size=2", "threads=1", "model.path=",
             "model.size=tiny", "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16",
-            "objective=rl", "mode=stream", "train.lora=", "rollout.max_turns=3", "rollout.temperature=1.0",
-            "sidequest.kl=0"]  # fmt: skip
+            "objective.name=rl", "mode=stream", "train.lora=", "rollout.max_turns=3",
+            "rollout.temperature=1.0"]  # fmt: skip
     cfg = load_config(TrainConfig, "configs/sidequest/train.toml", sets)
     last = train(cfg)
     # the same batch again, from the initial model the run wrote: what the step trained on
@@ -554,14 +554,14 @@ def test_rl_under_sidequest_trains_the_auxiliary_threads_with_their_episodes_adv
     by_hops = {k for k in last if k.startswith("reward_hops")}
     assert by_hops == {f"reward_hops{r.info['hops']}" for r in results}
     with pytest.raises(ConfigError, match="advantage = 'gae' values the main thread only"):
-        load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, "advantage=gae"])
+        load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, "objective.advantage=gae"])
 
 
 def test_an_rl_step_reports_its_reward_per_hop_count():
     """A batch of mixed difficulty: the step row splits the mean reward by the env's hop count, so
     a gain on two-hop questions cannot hide a loss on four-hop ones; episodes that name none are left out."""
     from compactrl.agent.rollout import EpisodeResult
-    from compactrl.rl.loop import rewards_by_hops
+    from compactrl.rl.objectives.rollouts import rewards_by_hops
 
     results = [EpisodeResult(i, 0, "browse", "stream", "sidequest", info={"hops": h} if h else {})
                for i, h in enumerate((2, 4, 2, 4, 3, None))]  # fmt: skip
@@ -576,21 +576,22 @@ def test_a_memory_cost_prices_the_peak_into_the_advantage(tmp_path):
     less KV (its threads' included) gets the higher advantage; without the term they tie."""
     from compactrl.agent.rollout import EpisodeResult
     from compactrl.config import ConfigError, load_config
-    from compactrl.rl.loop import TrainConfig, priced_rewards, step_advantages
+    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.objectives.rollouts import priced_rewards, step_advantages
 
     results = [
         EpisodeResult(0, 0, "browse", "stream", "sidequest", reward=w, peak_kv_with_threads=p)
         for w, p in ((1, 300), (1, 500), (0, 300), (0, 500))
     ]
-    sets = ["group_size=2", "model.size=tiny", "model.path=", "objective=rl", "sidequest.kl=0"]
+    sets = ["group_size=2", "model.size=tiny", "model.path="]
     for cost, want in ((0.0, [1.0, 1.0, 0.0, 0.0]), (0.5, [0.85, 0.75, -0.15, -0.25])):
-        cfg = load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, f"memory_cost={cost}"])
-        priced = priced_rewards(cfg, results)
+        cfg = load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, f"objective.memory_cost={cost}"])
+        priced = priced_rewards(cfg.objective, results)
         assert np.allclose(priced, want)
-        adv = step_advantages(cfg, priced)
+        adv = step_advantages(cfg.objective, priced, cfg.group_size)
         assert (adv[0] > adv[1] and adv[2] > adv[3]) if cost else np.allclose(adv, 0)
     with pytest.raises(ConfigError, match="memory_cost prices the episode's peak KV"):
-        load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, "memory_cost=1", "advantage=gae"])
+        load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, "objective.memory_cost=1", "objective.advantage=gae"])
 
 
 def test_a_thread_adapter_acts_on_the_forks_only_and_the_trainer_replays_it(tmp_path):
@@ -635,7 +636,7 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
 
     sets = [f"out={tmp_path / 'train'}", "steps=6", "prompts=2", "threads=1", "model.path=",
             "model.size=tiny", "env.world_size=40", "env.max_hops=3", "strategy.every=1", "train.lr=5e-2",
-            "sidequest.kl=0", "sidequest.adapter=thread", "checkpoint_every=6"]  # fmt: skip
+            "objective.kl=0", "objective.adapter=thread", "checkpoint_every=6"]  # fmt: skip
     train(load_config(TrainConfig, "configs/sidequest/train.toml", sets))
     rows = load_metrics(tmp_path / "train")
     assert np.mean([r["aux_ce"] for r in rows[-2:]]) < 0.7 * np.mean([r["aux_ce"] for r in rows[:2]])
@@ -652,7 +653,7 @@ def test_the_thread_adapter_objective_trains_the_thread_and_rolls_out_on_the_bas
     traces = load_traces(tmp_path / "roll" / "traces.jsonl")
     assert max(logprob_gap(plain, t) for t in traces if not t.meta.get("aux")) < 5e-5
     assert min(logprob_gap(plain, t) for t in traces if t.meta.get("aux")) > 1e-3  # negative control
-    for bad, match in (("sidequest.kl=500", "set sidequest.kl = 0"), ("train.lora=", "set train.lora")):
+    for bad, match in (("objective.kl=500", "set objective.kl = 0"), ("train.lora=", "set train.lora")):
         with pytest.raises(ValueError, match=match):
             load_config(TrainConfig, "configs/sidequest/train.toml", [*sets, bad])
     with pytest.raises(ValueError, match="objective 'sidequest' trains its own thread adapter"):
@@ -710,7 +711,8 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path, 
 
     sets = [f"out={tmp_path / 'rl'}", "steps=1", "prompts=2", "group_size=2", "threads=1",
             f"model.path={folder}", "env.world_size=40", "strategy.every=1", "strategy.max_tokens=16",
-            "rollout.max_turns=3", "memory_cost=1", "advantage=loo", f"strategy.thread_adapter={thread}",
+            "rollout.max_turns=3", "objective.memory_cost=1", "objective.advantage=loo",
+            f"strategy.thread_adapter={thread}",
             "checkpoint_every=1"]  # fmt: skip
     last = train(load_config(TrainConfig, "configs/sidequest/rl.toml", sets))
     ckpt = tmp_path / "rl" / "checkpoints" / "step_00000001"
@@ -728,7 +730,7 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path, 
     # train_aux = false: the same step's rollouts (the same seeds and weights), the main threads only
     no_aux = train(
         load_config(
-            TrainConfig, "configs/sidequest/rl.toml", [*sets, f"out={tmp_path / 'main'}", "train_aux=false"]
+            TrainConfig, "configs/sidequest/rl.toml", [*sets, f"out={tmp_path / 'main'}", "objective.train_aux=false"]
         )
     )
     assert seen[-1] and not aux() and no_aux["reward"] == last["reward"]
@@ -737,11 +739,11 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path, 
         == sum(int(s.trace.trainable.sum()) for s in seen[-1])
         < last["trained_tokens"]
     )
-    for bad, match in (("train.lora=", "set train.lora"), ("objective=rft", "is for objective = 'rl'")):
+    for bad, match in (("train.lora=", "set train.lora"), ("objective.name=rft", "is for objective.name = 'rl'")):
         with pytest.raises(ConfigError, match=match):
             load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, bad])
     with pytest.raises(ConfigError, match="this run trains none"):  # no auxiliary threads to leave out
-        load_config(TrainConfig, "configs/train/rooms_window.toml", ["train_aux=false"])
+        load_config(TrainConfig, "configs/train/rooms_window.toml", ["objective.train_aux=false"])
 
 
 def test_the_main_thread_learns_under_the_deletions_of_sequential_demonstrations(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ from compactrl.models.loading import load_model
 from compactrl.models.tokenizer import Tokenizer
 from compactrl.provenance import weights_hash
 from compactrl.rl.checkpoint import latest_checkpoint
-from compactrl.rl.loop import TrainConfig, evaluate, train
+from compactrl.rl.evaluate import evaluate
+from compactrl.rl.loop import TrainConfig, train
 from compactrl.trace import load_traces
 
 QUICK = ["steps=8", "prompts=2", "group_size=4", "checkpoint_every=2"]
@@ -91,7 +92,7 @@ def test_ppo_with_the_critic_learns_in_both_modes(tmp_path, mode):
     cfg = load_config(
         TrainConfig,
         "configs/quickstart.toml",
-        [f"out={tmp_path}", "steps=8", "advantage=gae", f"mode={mode}"],
+        [f"out={tmp_path}", "steps=8", "objective.advantage=gae", f"mode={mode}"],
     )
     rows = []
     train(cfg, on_step=rows.append)
@@ -106,7 +107,7 @@ def test_ppo_with_the_critic_learns_in_both_modes(tmp_path, mode):
 def test_ppo_epochs_and_minibatches_reuse_each_batch(tmp_path):
     """Several clipped optimizer steps per sampled batch: the first is on-policy, the later ones
     are off-policy against the sampling log-probs, so PPO's clip engages."""
-    args = [f"out={tmp_path}", "steps=4", "epochs=2", "minibatches=2"]
+    args = [f"out={tmp_path}", "steps=4", "objective.epochs=2", "objective.minibatches=2"]
     rows = []
     train(load_config(TrainConfig, "configs/quickstart.toml", args), on_step=rows.append)
     assert all(r["updates"] == 4 for r in rows)
@@ -114,7 +115,7 @@ def test_ppo_epochs_and_minibatches_reuse_each_batch(tmp_path):
     assert any(r["clip_fraction"] > 0 for r in rows)  # later updates moved the ratio past the clip
     assert all(r["errors"] == 0 and r["trained_tokens"] > 0 for r in rows)
     with pytest.raises(ConfigError, match="minibatches"):
-        load_config(TrainConfig, "configs/quickstart.toml", ["minibatches=100"])
+        load_config(TrainConfig, "configs/quickstart.toml", ["objective.minibatches=100"])
 
 
 def test_eval_every_gives_a_learning_curve_against_training_time(tmp_path):
@@ -143,7 +144,7 @@ RECALL = ["env.name=recall", "env.k=16", "strategy.name=evict_steps", "prompts=2
 def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
     """The recall study's shape: full-context SFT steps on demonstrations, then steps of the
     chosen objective under eviction, one optimizer; held-out accuracy before and after."""
-    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective=sft", "eval_episodes=4",
+    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective.name=sft", "eval_episodes=4",
             "eval_controls=['reprefill']"]  # fmt: skip
     cfg = load_config(TrainConfig, None, args)
     rows = []
@@ -163,14 +164,8 @@ def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
 
     for objective in ("rl", "rft", "distill"):
         rows = []
-        more = [
-            "steps=3",
-            "sft_steps=2",
-            f"objective={objective}",
-            "rft_min_reward=0",
-            "advantage=loo",
-            "chance=0.2",
-        ]
+        extra = {"rl": ["objective.advantage=loo", "objective.chance=0.2"], "rft": ["objective.min_reward=0"]}
+        more = ["steps=3", "sft_steps=2", f"objective.name={objective}", *extra.get(objective, [])]
         cfg = load_config(TrainConfig, None, [f"out={tmp_path / objective}", *RECALL, *more])
         train(cfg, on_step=rows.append)
         assert rows[2]["phase"] == "rl" and rows[2]["errors"] == 0 and rows[2]["compactions"] == 1.0
@@ -179,10 +174,10 @@ def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
         load_config(
             TrainConfig,
             None,
-            [*RECALL, "objective=distill", "train.kl_ref=0.1", "train.kl_ref_estimator=topk"],
+            [*RECALL, "objective.name=distill", "train.kl_ref=0.1", "train.kl_ref_estimator=topk"],
         )
     with pytest.raises(ConfigError, match="mode = 'stream'"):
-        load_config(TrainConfig, None, [*RECALL, "objective=distill", "mode=reprefill"])
+        load_config(TrainConfig, None, [*RECALL, "objective.name=distill", "mode=reprefill"])
 
 
 TRAIN_CONFIGS = sorted(
@@ -218,14 +213,14 @@ def test_textworld_trains_with_compaction(tmp_path, mode):
     [
         ("configs/quickstart.toml", ["steps=1", "sft_steps=1", "prompts=1", "group_size=2"]),
         ("configs/sidequest/train.toml", ["steps=1", "prompts=1", "model.path=", "model.size=tiny",
-                                          "env.world_size=40", "env.max_hops=3", "sidequest.kl=0"]),
+                                          "env.world_size=40", "env.max_hops=3", "objective.kl=0"]),
     ],
     ids=["sft", "sidequest"],
 )  # fmt: skip
 def test_every_env_the_loop_makes_is_closed(tmp_path, monkeypatch, config, sets):
     """The envs a step makes to play episodes, to write demonstrations, or only to ask whether the
     env has demonstrations, are all closed (a browser or a game server each holds a process)."""
-    from compactrl.rl import loop
+    from compactrl.rl.objectives import base, sft, sidequest
 
     made, closed = [], []
 
@@ -236,8 +231,9 @@ def test_every_env_the_loop_makes_is_closed(tmp_path, monkeypatch, config, sets)
         env.close = lambda: closed.append(env) or close()
         return env
 
-    make = loop.make_env
-    monkeypatch.setattr(loop, "make_env", counted)
+    make = base.make_env
+    for module in (base, sft, sidequest):  # where the objectives make envs
+        monkeypatch.setattr(module, "make_env", counted)
     train(load_config(TrainConfig, config, [f"out={tmp_path}", "threads=1", *sets]))
     assert made and len({id(e) for e in closed}) == len(made), f"{len(made) - len(closed)} envs left open"
 

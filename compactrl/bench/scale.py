@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from compactrl.bench.trainer import machine_info
-from compactrl.rl.loop import TrainConfig, train
+from compactrl.cluster import launch
+from compactrl.rl.config import TrainConfig
 
 LAYOUTS: dict[str, dict] = {
     "one-process": {},
@@ -57,7 +58,7 @@ def run_scale_bench(cfg: TrainConfig, out: Path, layouts: list[str], progress=No
                 metrics.append(m)
                 advance(f"{name} step {m['step']}")
 
-            train(run, overwrite=True, on_step=step)
+            launch(run, overwrite=True, on_step=step)
             later = metrics[1:]
             rows.append({
                 "layout": name,

@@ -34,7 +34,8 @@ from compactrl.compaction import build_strategy
 from compactrl.masks import streams
 from compactrl.models.loading import config_summary
 from compactrl.rl.forward import reprefill_segments
-from compactrl.rl.loop import TrainConfig, step_advantages, thread_samples
+from compactrl.rl.config import TrainConfig
+from compactrl.rl.objectives.rollouts import thread_samples
 from compactrl.rl.sampler import sample_batch
 from compactrl.rl.trainer import Sample, Trainer
 from compactrl.trace import Trace
@@ -65,6 +66,11 @@ def segment_traces(trace: Trace) -> list[Trace]:
 def run_train_step_bench(
     cfg: TrainConfig, repeats: int = 3, progress: Callable[[int], Callable[[], None]] | None = None
 ) -> dict:
+    if not cfg.objective.rollouts:
+        raise ValueError(
+            f"bench train-step trains a batch of the run's own rollouts (objective.name rl, rft or "
+            f"distill); this config's objective is {cfg.objective.name!r}"
+        )
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,10 +83,10 @@ def run_train_step_bench(
     failed = [r.error for r in results if r.error is not None]
     if failed:
         raise ValueError(f"{len(failed)} rollouts failed, e.g. {failed[0]}")
-    adv = step_advantages(cfg, np.array([r.reward for r in results]))
+    adv = cfg.objective.advantages(cfg, results)
     stream = [Sample(r.traces[0], np.full(len(r.traces[0]), a, np.float32), i)
               for i, (r, a) in enumerate(zip(results, adv, strict=True))]  # fmt: skip
-    forks = [x for r, s in zip(results, stream, strict=True) if cfg.train_aux
+    forks = [x for r, s in zip(results, stream, strict=True) if cfg.objective.train_aux
              for x in thread_samples(r, s.advantages[0], s.sequence, 1.0)]  # fmt: skip
     reprefill = [Sample(t, np.full(len(t), s.advantages[0], np.float32), s.sequence)
                  for s in stream for t in segment_traces(s.trace)]  # fmt: skip

@@ -106,7 +106,7 @@ def bench_train_step(
 ) -> None:
     """One training step on the same rollouts: stream (one pass) vs re-prefill (one sample per segment)."""
     from compactrl.bench.train_step import run_train_step_bench
-    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.config import TrainConfig
 
     if repeats < 1:
         fail("--repeats must be at least 1")
@@ -221,7 +221,7 @@ def bench_scale(
 ) -> None:
     """RL steps/s: one process against rollout workers and data-parallel ranks on Ray."""
     from compactrl.bench.scale import LAYOUTS, markdown, run_scale_bench
-    from compactrl.rl.loop import TrainConfig
+    from compactrl.rl.config import TrainConfig
 
     try:
         import ray  # noqa: F401

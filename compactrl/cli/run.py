@@ -68,7 +68,9 @@ def train_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Train a policy on multi-turn episodes with compaction (sample -> train -> repeat)."""
-    from compactrl.rl.loop import Interrupted, TrainConfig, train
+    from compactrl.cluster import launch
+    from compactrl.rl.config import TrainConfig
+    from compactrl.rl.loop import Interrupted
     from compactrl.rl.trainer import DataParallelError
 
     cfg = load_run_config(TrainConfig, config, overrides)
@@ -90,7 +92,7 @@ def train_cmd(
 
     try:
         with progress_bar("train") as progress:
-            last = train(cfg, resume=resume, overwrite=overwrite, progress=progress, on_step=show)
+            last = launch(cfg, resume=resume, overwrite=overwrite, progress=progress, on_step=show)
     except Interrupted as e:
         fail(str(e), code=130)
     except DataParallelError as e:  # a rank failed: no rank stepped; the message says how to resume
@@ -135,7 +137,8 @@ def eval_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Evaluate a policy on held-out episodes without training; one result file per checkpoint."""
-    from compactrl.rl.loop import TrainConfig, evaluate
+    from compactrl.rl.config import TrainConfig
+    from compactrl.rl.evaluate import evaluate
     from compactrl.stats import fmt_ci
 
     cfg = load_run_config(TrainConfig, config, overrides)

@@ -1,6 +1,7 @@
 """Scale-out: rollout workers and data-parallel trainer ranks as Ray actors around the same engine,
-rollout and trainer objects a one-process run uses (``backend = "local"``, the default, imports none
-of this). Ray is an optional dependency: ``pip install 'compactrl[ray]'``.
+rollout and trainer objects a one-process run uses (``backend = "local"``, the default, starts none
+of this). The loop knows nothing of Ray: :func:`launch` hands it a :class:`RayPlacement`. Ray is an
+optional dependency: ``pip install 'compactrl[ray]'``.
 
 Layout of a ``backend = "ray"`` run: the driver (``compactrl train``) is the single controller and
 trainer rank 0 — it keeps the loop, checkpoints and evaluations exactly as in one process;
@@ -11,66 +12,9 @@ joined to the driver by a torch.distributed group (:mod:`compactrl.cluster.data_
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class ClusterConfig(BaseModel):
-    """``[cluster]``: where rollouts and training run."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: Literal["local", "ray"] = Field(
-        "local", description="local: one process (engine and trainer share the model); ray: actors"
-    )
-    address: str | None = Field(
-        None, description="ray: the cluster to join, from one of its nodes ('auto', or 'HOST:6379'; "
-        "trainer ranks reach the driver directly); unset: start a local one with this machine's CPUs"
-    )  # fmt: skip
-    rollout_workers: int = Field(
-        0, ge=0, description="ray: engine actors that sample the RL steps' rollouts (0: the driver's engine)"
-    )
-    trainer_workers: int = Field(
-        1, ge=1, description="data-parallel trainer ranks, the driver being rank 0 (gloo on CPU, NCCL on GPU)"
-    )
-    rollout_cpus: float = Field(1.0, gt=0, description="Ray CPUs per rollout worker (its torch threads)")
-    rollout_gpus: float = Field(0.0, ge=0, description="Ray GPUs per rollout worker (the engine runs on it)")
-    trainer_cpus: float = Field(1.0, gt=0, description="Ray CPUs per trainer rank beyond the driver")
-    trainer_gpus: float = Field(0.0, ge=0, description="Ray GPUs per trainer rank beyond the driver")
-    collective_timeout_s: float = Field(
-        1800.0, gt=0, description="trainer ranks: the longest one waits for the others to join or reach "
-        "a collective (the slowest rank's share of a step); past it the step fails instead of hanging "
-        "on a rank that died or hangs"
-    )  # fmt: skip
-    max_restarts: int = Field(
-        3, ge=0, description="rollout worker restarts allowed per step before the step fails"
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.backend == "local" and (self.rollout_workers or self.trainer_workers > 1):
-            raise ValueError(
-                f"cluster.rollout_workers = {self.rollout_workers} and cluster.trainer_workers = "
-                f"{self.trainer_workers} need cluster.backend = 'ray' (the local backend is one process: "
-                "rollout_workers = 0, trainer_workers = 1)"
-            )
-        if self.backend == "local" and self.address is not None:
-            raise ValueError("cluster.address names a Ray cluster: set cluster.backend = 'ray' or drop it")
-        if self.backend == "ray" and not self.rollout_workers and self.trainer_workers == 1:
-            raise ValueError(
-                "cluster.backend = 'ray' with no rollout workers and one trainer rank is one process: "
-                "set cluster.rollout_workers >= 1 and/or cluster.trainer_workers >= 2, or backend = 'local'"
-            )
-        return self
-
-    def requested(self) -> dict[str, float]:
-        """The Ray resources the actors ask for (the driver, trainer rank 0, asks for none)."""
-        ranks = self.trainer_workers - 1
-        return {
-            "CPU": self.rollout_workers * self.rollout_cpus + ranks * self.trainer_cpus,
-            "GPU": self.rollout_workers * self.rollout_gpus + ranks * self.trainer_gpus,
-        }
+from compactrl.rl.config import ClusterConfig, TrainConfig
+from compactrl.rl.loop import Placement, train
+from compactrl.rl.trainer import Trainer
 
 
 def connect(cluster: ClusterConfig) -> bool:
@@ -95,3 +39,51 @@ def connect(cluster: ClusterConfig) -> bool:
                 "lower the workers or their rollout_/trainer_ resources, or add nodes"
             )
     return owned
+
+
+class RayPlacement(Placement):
+    """Trainer ranks beyond the driver and rollout workers as Ray actors (``[cluster]``)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cluster = cfg.cluster
+        self.owned = connect(cfg.cluster)
+        self.ranks = None  # the driver's DataParallelTrainer, when trainer_workers > 1
+
+    def trainer(self, cfg: TrainConfig, model, head) -> Trainer:
+        if self.cluster.trainer_workers == 1:
+            return super().trainer(cfg, model, head)
+        from compactrl.cluster.data_parallel import DataParallelTrainer
+
+        self.ranks = DataParallelTrainer(model, cfg.train, head, temperature=cfg.rollout.temperature)
+        return self.ranks
+
+    def start(self, trainer: Trainer, cfg: TrainConfig) -> None:
+        if self.ranks is not None:  # the other ranks copy the (resumed) weights and optimizer
+            self.ranks.start(cfg)
+
+    def sampler(self, cfg: TrainConfig, model, tokenizer, fmt, strategy, first: int):
+        if not self.cluster.rollout_workers:
+            return super().sampler(cfg, model, tokenizer, fmt, strategy, first)
+        from compactrl.cluster.rollout import RolloutPool
+
+        return RolloutPool(cfg, model, tokenizer, first)
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+        if self.owned:
+            import ray
+
+            ray.shutdown()
+
+
+def launch(cfg: TrainConfig, **kwargs) -> dict:
+    """:func:`compactrl.rl.loop.train` where ``cfg.cluster`` says: in this process (``local``) or
+    with Ray actors (``ray``: connects, and afterwards stops the actors and a Ray it started)."""
+    if cfg.cluster.backend == "local":
+        return train(cfg, **kwargs)
+    placement = RayPlacement(cfg)
+    try:
+        return train(cfg, placement=placement, **kwargs)
+    finally:
+        placement.close()
