@@ -24,7 +24,8 @@ EXACT = ("reward", "reward_max", "tokens", "compactions", "trained_tokens", *COU
 
 def cli(*args: str) -> str:
     """Run ``python -m compactrl.cli ARGS`` from this tree (its own package first on the path)."""
-    done = subprocess.run([sys.executable, "-m", "compactrl.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "compactrl.cli", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"compactrl {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return done.stdout
@@ -72,7 +73,8 @@ def compare(a_path: Path, b_path: Path) -> int:
     """Counts and rewards must be equal; other floats equal to 1e-6 relative (float32 summation order)."""
     a, b = (dict(_leaves(json.load(open(p)))) for p in (a_path, b_path))
     if a.keys() != b.keys():
-        print(f"different fields: only before {sorted(a.keys() - b.keys())}, only after {sorted(b.keys() - a.keys())}")
+        only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+        print(f"different fields: only before {only_a}, only after {only_b}")
         return 1
     bad = []
     for k in a:

@@ -94,7 +94,8 @@ def test_defaults_and_awkward_values_round_trip(kind, tmp_path):
         "engine.compact_holes=1e-3",
     ]
     if kind == "train":
-        overrides += ["train.lora.r=4", "train.lora.targets=['q_proj']", "train.eps=1e-12", "objective.gamma=1"]
+        overrides += ["train.lora.r=4", "train.lora.targets=['q_proj']", "train.eps=1e-12"]
+        overrides += ["objective.gamma=1"]
     _, cfg = resolve(None, overrides, kind)
     assert cfg.rollout.system == 'a "quoted"\nline\ttab \\ back é ☃ \x7f \x01'
     text = show(None, overrides, kind)

@@ -274,7 +274,7 @@ def test_keep_unread_never_deletes_an_output_no_action_has_read(setup, monkeypat
     """A thread that names every open cursor: with keep_unread the output of the action it was
     called after survives (counted), so every cursor outlives the action after the one that made
     it; without, that output goes before any action read it (the negative control)."""
-    from compactrl.compaction.sidequest import actions_of
+    from compactrl.agent.hindsight import actions_of
 
     monkeypatch.setattr(BrowseEnv, "demo_deletions", lambda self, live: list(live))
 
@@ -368,7 +368,7 @@ def hand_made_trace():
 
 
 def test_last_use_expiry_and_calls_on_a_hand_made_trace():
-    from compactrl.compaction.sidequest import actions_of, aux_calls, boundary, fork_point, last_use
+    from compactrl.agent.hindsight import actions_of, aux_calls, boundary, fork_point, last_use
 
     t = hand_made_trace()
     acts = actions_of(t)
@@ -461,7 +461,7 @@ def test_deletion_scores_against_the_hindsight_labels(setup):
     names every live cursor keeps its recall and loses precision."""
     import copy
 
-    from compactrl.compaction.sidequest import deletion_scores
+    from compactrl.agent.hindsight import deletion_scores
 
     for r in play(setup, "stream"):
         s = deletion_scores(r.traces[0], r.aux_traces)
@@ -483,7 +483,7 @@ def test_deletion_scores_against_the_hindsight_labels(setup):
 def test_a_thread_still_running_when_its_episode_ends_is_flagged_and_not_scored(setup):
     """A parallel thread whose answer was not due before the episode ended deleted nothing: its trace
     is kept, flagged ``unfinished``, counted, and left out of the deletion scores."""
-    from compactrl.compaction.sidequest import deletion_scores
+    from compactrl.agent.hindsight import deletion_scores
 
     results = play(setup, "stream", parallel=True, seeds=[3, 4, 5, 6])
     assert sum(r.aux_unfinished for r in results) > 0
@@ -510,7 +510,7 @@ def test_threads_train_with_their_episodes_advantage_discounted_from_their_fork(
         acted = [x for x in r.aux_traces if not x.meta.get("unfinished")]
         assert [s.trace for s in samples] == acted and all(s.sequence == 7 for s in samples)
         for s in samples:
-            later = int(t.trainable[s.trace.meta["fork_at"]:].sum())
+            later = int(t.trainable[s.trace.meta["fork_at"] :].sum())
             assert np.allclose(s.advantages, 2.0 * 0.99**later) and later > 0
         assert [s.advantages[0] for s in thread_samples(r, 2.0, 7, 1.0)] == [2.0] * len(acted)
 
@@ -591,7 +591,11 @@ def test_a_memory_cost_prices_the_peak_into_the_advantage(tmp_path):
         adv = step_advantages(cfg.objective, priced, cfg.group_size)
         assert (adv[0] > adv[1] and adv[2] > adv[3]) if cost else np.allclose(adv, 0)
     with pytest.raises(ConfigError, match="memory_cost prices the episode's peak KV"):
-        load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, "objective.memory_cost=1", "objective.advantage=gae"])
+        load_config(
+            TrainConfig,
+            "configs/sidequest/rl.toml",
+            [*sets, "objective.memory_cost=1", "objective.advantage=gae"],
+        )
 
 
 def test_a_thread_adapter_acts_on_the_forks_only_and_the_trainer_replays_it(tmp_path):
@@ -730,7 +734,9 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path, 
     # train_aux = false: the same step's rollouts (the same seeds and weights), the main threads only
     no_aux = train(
         load_config(
-            TrainConfig, "configs/sidequest/rl.toml", [*sets, f"out={tmp_path / 'main'}", "objective.train_aux=false"]
+            TrainConfig,
+            "configs/sidequest/rl.toml",
+            [*sets, f"out={tmp_path / 'main'}", "objective.train_aux=false"],
         )
     )
     assert seen[-1] and not aux() and no_aux["reward"] == last["reward"]
@@ -739,7 +745,10 @@ def test_rl_under_a_frozen_thread_adapter_trains_the_policys_own_lora(tmp_path, 
         == sum(int(s.trace.trainable.sum()) for s in seen[-1])
         < last["trained_tokens"]
     )
-    for bad, match in (("train.lora=", "set train.lora"), ("objective.name=rft", "is for objective.name = 'rl'")):
+    for bad, match in (
+        ("train.lora=", "set train.lora"),
+        ("objective.name=rft", "is for objective.name = 'rl'"),
+    ):
         with pytest.raises(ConfigError, match=match):
             load_config(TrainConfig, "configs/sidequest/rl.toml", [*sets, bad])
     with pytest.raises(ConfigError, match="this run trains none"):  # no auxiliary threads to leave out

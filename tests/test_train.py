@@ -144,8 +144,8 @@ RECALL = ["env.name=recall", "env.k=16", "strategy.name=evict_steps", "prompts=2
 def test_sft_warm_up_then_each_objective_on_recall_under_eviction(tmp_path):
     """The recall study's shape: full-context SFT steps on demonstrations, then steps of the
     chosen objective under eviction, one optimizer; held-out accuracy before and after."""
-    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective.name=sft", "eval_episodes=4",
-            "eval_controls=['reprefill']"]  # fmt: skip
+    args = [f"out={tmp_path / 'sft'}", *RECALL, "steps=5", "sft_steps=3", "objective.name=sft",
+            "eval_episodes=4", "eval_controls=['reprefill']"]  # fmt: skip
     cfg = load_config(TrainConfig, None, args)
     rows = []
     train(cfg, on_step=rows.append)

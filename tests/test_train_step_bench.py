@@ -47,5 +47,6 @@ def test_bench_splices_sidequest_forks_and_feeds_fewer_tokens_than_forks_apart(t
     assert r["aux_threads"] > 0 and r["forks_apart_samples"] == r["stream_samples"] == 2 + r["aux_threads"]
     assert r["forks_apart_tokens"] > r["stream_tokens"]  # each fork's prefix fed again
     assert np.isclose(r["forks_token_ratio"], r["forks_apart_tokens"] / r["stream_tokens"])
-    no_aux = run_train_step_bench(load_config(TrainConfig, None, [*sets, "objective.train_aux=false"]), repeats=1)
+    no_aux_cfg = load_config(TrainConfig, None, [*sets, "objective.train_aux=false"])
+    no_aux = run_train_step_bench(no_aux_cfg, repeats=1)
     assert no_aux["aux_threads"] == 0 and "forks_apart_s" not in no_aux

@@ -366,7 +366,8 @@ def test_a_trained_critic_round_trips_a_checkpoint_bit_for_bit(tmp_path, tiny_lm
 # ---- the loop: a PPO run (advantage = "gae") resumed mid-way equals the uninterrupted run --------
 # One SFT step (so the tiny model answers with digits and rewards are not all 0: with 0 rewards the
 # critic never moves and any resume looks right), then RL steps 2-4 with the critic; checkpoints at 2, 4.
-GAE_RUN = ["prompts=2", "group_size=4", "checkpoint_every=2", "objective.advantage=gae", "sft_steps=1", "sft_lr=1e-2"]
+GAE_RUN = ["prompts=2", "group_size=4", "checkpoint_every=2", "objective.advantage=gae", "sft_steps=1",
+           "sft_lr=1e-2"]  # fmt: skip
 
 
 def gae_config(out, steps=4):

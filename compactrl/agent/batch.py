@@ -22,11 +22,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from compactrl.agent.chat import ChatFormat
+from compactrl.agent.hindsight import deletion_scores
 from compactrl.agent.rollout import NON_COMPLETION, Episode, EpisodeResult, RolloutSettings
 from compactrl.agent.served import run_agent_episodes
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
-from compactrl.compaction.sidequest import deletion_scores
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import ENV_FIELD, EnvConfig, RoomsConfig, make_env
 from compactrl.envs.agent import AgentEnv

@@ -28,16 +28,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.agent.chat import ChatFormat, Conversation
-from compactrl.compaction import Context, Decision, StepView, Strategy
-from compactrl.compaction.sidequest import AuxThread, aux_answer, parse_deletions, title_span
-from compactrl.engine import Engine, SamplingParams, SessionError
+from compactrl.agent.compactors import compactor_for
+from compactrl.compaction import Context, StepView, Strategy
+from compactrl.engine import Engine, SamplingParams
 from compactrl.envs.base import Env, EnvError, guarded
 from compactrl.trace import NO_CURSOR, Trace
 
 MODES = ("full", "reprefill", "stream")
 HEAD = -1  # owner of the protected system/task head
-AUX = -2  # owner of a compaction request and its answer (deleted unless kept)
-TITLE = -3  # owner of a tool output's first line that SideQuest's keep_titles leaves when it deletes
 NON_COMPLETION = ("unparsable", "turn_limit", "position_limit", "error")  # why an episode did not finish
 
 
@@ -76,22 +74,6 @@ class _Piece:
     origins: range
     start: int  # index in the current session's stream
     turn: int  # the chat message it belongs to
-
-
-@dataclass
-class _Thread:
-    """SideQuest's auxiliary thread in flight."""
-
-    task: asyncio.Task  # -> (answer text, None if it had no room; its trace)
-    session: Any  # the fork
-    seen: dict[int, int]  # cursor -> step: open at the fork with its output in (what it may delete)
-    unread: set[int]  # its call's cursors no action had read yet (what keep_unread protects)
-    main_tokens: int  # tokens the main thread had added to its stream at the fork (its clock)
-
-    def written(self) -> int:
-        """Tokens the thread has generated so far."""
-        g = self.session.generation
-        return len(g.tokens) if g is not None else 0
 
 
 @dataclass
@@ -201,8 +183,7 @@ class Episode:
         self.demo = demo  # the env writes every answer (demo_action, demo_summary): an SFT demonstration
         self.cursor_of: dict[int, int] = {}  # step id -> the cursor id of its tool output
         self.cursors: dict[int, dict] = {}  # cursor id -> tool, last_used, referenced
-        self.sidequest = self.strategy is not None and isinstance(self.strategy.plan, AuxThread)
-        self.aux: _Thread | None = None  # the auxiliary thread in flight (SideQuest)
+        self.compactor = compactor_for(self.strategy) if self.strategy is not None else None
         self.pending: int | None = None  # the step whose action is in and whose output is not yet
         self.action_log: list[tuple[int, list]] = []  # (session, [end, cursor, refs, tool]) per action
 
@@ -232,30 +213,24 @@ class Episode:
         self.session.append(tokens, role=role, turn=turn, cursor=self.cursor_of.get(owner, NO_CURSOR))
         self._record(owner, tokens, start, turn, origins)
 
-    def _message(self, owner: int, role: str, text: str) -> None:
+    def message(self, owner: int, role: str, text: str) -> None:
         """Append a whole message, rendered by the model's chat template."""
         turn = len(self.chat.messages)
         self._add(owner, self.chat.message(role, text), role, turn)
 
     def _output(self, sid: int, text: str) -> None:
-        """Append a tool output; under SideQuest's keep_titles its first line is a piece of no step
-        (no cursor label either), so deleting the cursor leaves it."""
+        """Append a tool output, its parts owned as the compactor says (SideQuest's keep_titles
+        leaves a cursor's first line to no step)."""
         if sid not in self.kinds:  # a deletion may never remove a call before its output lands
             raise RuntimeError(f"step {sid} was deleted before its tool output landed")
         self.pending = None
-        c = self.cursor_of.get(sid)
-        if not (self.sidequest and self.strategy.plan.keep_titles and c is not None):
-            return self._message(sid, "user", text)
+        if self.compactor is None:
+            return self.message(sid, "user", text)
         turn = len(self.chat.messages)
-        ids = self.chat.message("user", text)
-        a, b = title_span(self.fmt.tokenizer, ids, c)
-        for owner, part in ((sid, ids[:a]), (TITLE, ids[a:b]), (sid, ids[b:])):
-            if part:
-                self._add(owner, part, "user", turn)
+        for owner, part in self.compactor.output_parts(self, sid, self.chat.message("user", text)):
+            self._add(owner, part, "user", turn)
 
-    async def _generate(
-        self, owner: int, role: str, max_tokens: int, ctx: Context | None = None
-    ) -> list[int]:
+    async def generate(self, owner: int, role: str, max_tokens: int, ctx: Context | None = None) -> list[int]:
         """Generation prompt, generation, close; returns the generated ids. ``ctx``: the compaction
         whose question this answers."""
         s, turn = self.settings, len(self.chat.messages)
@@ -263,9 +238,8 @@ class Episode:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             stop_token_ids=[] if s.ignore_eos else list(self.fmt.stop_ids), ignore_eos=s.ignore_eos,
-            seed=self.sample_seed * 100_003 + self.messages,
+            seed=self.next_seed(),
         )  # fmt: skip
-        self.messages += 1
         start = len(self.session.tokens)
         if self.demo:  # teacher-forced: the engine scores the demonstration as if it had sampled it
             params = params.model_copy(update={"forced": self._demonstrated(role, max_tokens, ctx)})
@@ -333,27 +307,7 @@ class Episode:
         views = [self._step_view(sid) for sid in self.kinds]
         return Context(views, head, incoming, step, since, action)
 
-    # ---- compaction -----------------------------------------------------------------------------
-    async def _compact(self, ctx: Context) -> None:
-        plan = self.strategy.plan
-        req = plan.request(ctx)
-        answer_ids: list[int] = []
-        if req is not None:
-            self._message(AUX, "user", req.prompt)
-            answer_ids = await self._generate(AUX, req.role, req.max_tokens, ctx)
-        answer = self.fmt.text(answer_ids) if req is not None else None
-        decision: Decision = plan.decide(ctx, answer)
-        self.result.pick_fallbacks += int(decision.fallback)
-        gone = set(decision.delete) & set(self.kinds) - {self.pending}  # a call stays until its output is in
-        if decision.keep_answer:  # the answer (a summary) becomes a step of its own, with the resume
-            sid = self._new_step("summary")
-            for p in [p for p in self.pieces if p.owner == AUX][-3:]:  # header, generated, close
-                p.owner = sid
-            if decision.resume:
-                self._message(sid, "user", decision.resume)
-        await self._delete(gone | {AUX})
-
-    async def _delete(self, gone: set[int], outputs_only: bool = False) -> None:
+    async def delete(self, gone: set[int], outputs_only: bool = False) -> None:
         """Delete steps (and a request's pieces): evict them in place, or re-prefill the rest.
         ``outputs_only``: their tool outputs go, their calls stay as steps without a cursor."""
         for sid in gone:
@@ -379,122 +333,24 @@ class Episode:
                 self._add(p.owner, p.tokens, self._role(p), p.turn, p.origins)
             self.result.segments += 1
 
-    # ---- SideQuest's auxiliary thread ---------------------------------------------------------------
-    def _live_cursors(self) -> dict[int, int]:
+    def adopt(self, owner: int, sid: int, last: int) -> None:
+        """The last ``last`` pieces of ``owner`` (a request's answer) become step ``sid``'s."""
+        for p in [p for p in self.pieces if p.owner == owner][-last:]:
+            p.owner = sid
+
+    def live_cursors(self) -> dict[int, int]:
+        """Open cursors: cursor id -> the live step whose output it is."""
         return {c: sid for sid, c in self.cursor_of.items() if sid in self.kinds}
 
-    def _aux_start(self, action: int) -> None:
-        """Fork the main thread (its KV shared, at this step boundary) and start the auxiliary
-        thread on the fork; the main thread goes on (parallel) or waits for it (sequential). The
-        thread may delete only what it sees open: the cursors whose output is in at the fork."""
-        plan, r = self.strategy.plan, self.result
-        chat = self.chat.fork()
-        turn = len(chat.messages)
-        child = self.session.fork(f"{self.rollout_id}-aux{action}")
-        fork_at = len(child.tokens)
-        child.adapter_from = fork_at  # a thread adapter (gated LoRA) acts on the thread's tokens only
-        params = SamplingParams(
-            max_tokens=plan.max_tokens, temperature=self.settings.temperature, top_p=self.settings.top_p,
-            top_k=self.settings.top_k, stop_token_ids=list(self.fmt.stop_ids),
-            seed=self.sample_seed * 100_003 + self.messages,
-        )  # fmt: skip
+    def next_seed(self) -> int:
+        """The sampling seed of the episode's next generation (the same in every mode)."""
         self.messages += 1
-        r.aux_calls += 1
-        seen = {c: sid for c, sid in self._live_cursors().items() if sid != self.pending}
-        unread = {c for c, k in self.cursors.items() if k["last_used"] == action and not k["referenced"]}
-        if self.demo:  # the env's memory oracle writes the answer, teacher-forced
-            info = [
-                (c, self.cursors[c]["tool"], self.cursors[c]["last_used"])
-                for c in self.env.demo_deletions(sorted(seen))
-            ]
-            toks = self.fmt.tokenizer.encode(aux_answer(info)) + [self.fmt.stop_ids[0]]
-            params = params.model_copy(update={"forced": toks, "max_tokens": max(len(toks), plan.max_tokens)})
-        prompt = chat.message("user", plan.trigger), chat.prompt()
-        task = asyncio.ensure_future(self._aux_run(child, prompt, params, turn, fork_at, action))
-        self.aux = _Thread(task, child, seen, unread, self.origin)
-
-    async def _aux_run(
-        self, child, prompt, params: SamplingParams, turn: int, fork_at: int, action: int
-    ) -> tuple[str | None, Trace]:
-        """The thread's answer text (None: no room to run it) and its trace; only its own tokens
-        are trainable (the prefix is the main thread's, trained there)."""
-        r = self.result
-        try:
-            child.append(prompt[0], role="user", turn=turn)
-            child.append(prompt[1], role="assistant", turn=turn + 1)
-            gen = await child.agenerate(params, role="assistant", turn=turn + 1)
-            r.aux_tokens += len(gen.tokens)
-            answer = None if gen.finish_reason == "position_limit" else self.fmt.text(gen.tokens)
-        except SessionError:  # no room (positions or pool) for the thread: it deletes nothing
-            answer = None
-        r.aux_kv_reads += child.metrics.kv_reads
-        t = child.trace()
-        child.close()
-        t.trainable[:fork_at], t.logprobs[:fork_at] = False, np.nan
-        t.meta = {"aux": True, "action": action, "fork_at": fork_at, "segment": len(self.sessions),
-                  "named": parse_deletions(answer or ""), "keep_calls": self.strategy.plan.keep_calls,
-                  "no_room": answer is None}  # fmt: skip
-        r.aux_traces.append(t)
-        return answer, t
-
-    async def _aux_call(self, ctx: Context) -> None:
-        """Start the auxiliary thread when it is due and none is in flight; sequential: wait for it."""
-        if self.aux is None and self.strategy.trigger(ctx):
-            self._aux_start(ctx.step)
-            if not self.strategy.plan.parallel:
-                await self._aux_collect(wait=True)
-
-    async def _aux_collect(self, wait: bool = False) -> None:
-        """At a main-thread step boundary: apply the auxiliary thread's deletions if its answer is
-        due. In parallel it is due once the main thread has added to its stream, since the fork,
-        enough tokens for the thread to have written its answer at ``pace`` thread tokens per main
-        token (the tokens it generated and the outputs it was fed: a tool output's time is the
-        thread's too), so where a deletion lands depends on tokens only, never on wall-clock time."""
-        th = self.aux
-        if th is None:
-            return
-        if not wait:
-            since = (self.origin - th.main_tokens) * self.strategy.plan.pace
-            if th.written() > since:  # not due, whatever it writes next
-                return
-            await asyncio.wait([th.task])  # the rule needs its final length
-            if th.written() > since:
-                return
-        answer, _ = await th.task
-        self.aux = None
-        r, plan, now = self.result, self.strategy.plan, self._live_cursors()
-        if answer is None:
-            r.aux_no_room += 1
-            return
-        r.aux_offered_cursors += len(set(th.seen) - (th.unread if plan.keep_unread else set()))
-        delete, unknown = plan.split(answer, set(th.seen) & set(now))
-        unseen = [c for c in unknown if c in now]  # open now, but not when the thread looked
-        r.aux_parse_failures += delete is None
-        r.aux_unseen_cursors += len(unseen)
-        r.aux_unknown_cursors += len(unknown) - len(unseen)
-        if delete and plan.keep_unread:
-            r.aux_kept_unread += len(set(delete) & th.unread)
-            delete = [c for c in delete if c not in th.unread]
-        if delete:
-            r.deleted_cursors += len(delete)
-            await self._delete({now[c] for c in delete}, outputs_only=plan.keep_calls)
-
-    async def _aux_end(self) -> None:
-        """The episode ended with a thread in flight: it is run to its end (its trace is kept), but
-        its answer had not landed, so it deleted nothing; its trace is flagged ``unfinished`` (left out
-        of the loss and of the deletion scores)."""
-        th, self.aux = self.aux, None
-        await asyncio.wait([th.task])
-        if (e := th.task.exception()) is not None:
-            self.result.error = self.result.error or f"{type(e).__name__}: {e}"
-            return
-        th.task.result()[1].meta["unfinished"] = True
-        self.result.aux_unfinished += 1
+        return self.sample_seed * 100_003 + self.messages - 1
 
     def _role(self, p: _Piece) -> str:
         return self.sessions[-1].role[p.start] if p.tokens else "user"
 
-    def _new_step(self, kind: str) -> int:
+    def new_step(self, kind: str) -> int:
         sid = self.next_id
         self.next_id += 1
         self.kinds[sid] = kind
@@ -510,19 +366,19 @@ class Episode:
             reset = await guarded(self.env, begin, self.seed, s.env_timeout_s, self.pool)
             system = s.system if s.system is not None else reset.system
             if system:  # "" = no system message (TOML has no null)
-                self._message(HEAD, "system", system)
-            self._message(HEAD, "user", reset.task)
+                self.message(HEAD, "system", system)
+            self.message(HEAD, "user", reset.task)
             if self.session.evictor is not None:
                 self.session.evictor.head = len(self.session.tokens)  # the system/task head stays
             if reset.observation:
                 obs = reset.observation
                 if reset.observation_variants:
                     obs = self.chat.padded("user", obs, reset.observation_variants)
-                self._message(self._new_step("step"), "user", obs)
+                self.message(self.new_step("step"), "user", obs)
             hint, since = reset.max_tokens, 0
             while True:
-                sid = self.pending = self._new_step("step")
-                action_ids = await self._generate(sid, "assistant", hint or s.max_tokens)
+                sid = self.pending = self.new_step("step")
+                action_ids = await self.generate(sid, "assistant", hint or s.max_tokens)
                 last_token = self.last_generated  # the action's end
                 r.turns += 1
                 since += 1
@@ -546,24 +402,19 @@ class Episode:
                 self._note_cursor(sid, out.info, r.turns)
                 incoming = len(self.chat.message("user", out.observation, record=False))
                 ctx = self._context(r.turns, since, action, incoming)
-                if self.sidequest:
-                    await self._aux_collect()
-                    if self.strategy.plan.at == "call":  # the call is in, its output not yet
-                        await self._aux_call(ctx)
-                elif self.strategy is not None and self.strategy.trigger(ctx):
-                    await self._compact(ctx)
+                if self.compactor is not None and await self.compactor.before_output(self, ctx):
                     since = 0
                 self._output(sid, out.observation)
-                if self.sidequest and self.strategy.plan.at == "output":
-                    await self._aux_call(ctx)
+                if self.compactor is not None:
+                    await self.compactor.after_output(self, ctx)
                 hint = out.max_tokens
         except _AtPositionLimit:
             r.truncated = r.at_position_limit = True
         except Exception as e:  # noqa: BLE001 - env, session or any other failure ends only this episode
             r.error = f"{type(e).__name__}: {e}"
         finally:
-            if self.aux is not None:
-                await self._aux_end()
+            if self.compactor is not None:
+                await self.compactor.end(self)
             if self.session is not None:
                 self.sessions.append(self.session)
                 self.session = None

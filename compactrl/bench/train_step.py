@@ -33,8 +33,8 @@ from compactrl.bench.trainer import machine_info
 from compactrl.compaction import build_strategy
 from compactrl.masks import streams
 from compactrl.models.loading import config_summary
-from compactrl.rl.forward import reprefill_segments
 from compactrl.rl.config import TrainConfig
+from compactrl.rl.forward import reprefill_segments
 from compactrl.rl.objectives.rollouts import thread_samples
 from compactrl.rl.sampler import sample_batch
 from compactrl.rl.trainer import Sample, Trainer

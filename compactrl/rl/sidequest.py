@@ -24,11 +24,9 @@ from typing import Literal
 import numpy as np
 
 from compactrl.agent.chat import ChatFormat
-from compactrl.compaction.sidequest import (
-    TRIGGER,
+from compactrl.agent.hindsight import (
     Action,
     actions_of,
-    aux_answer,
     aux_calls,
     deletable,
     fork_point,
@@ -36,6 +34,7 @@ from compactrl.compaction.sidequest import (
     live_at,
     title_mask,
 )
+from compactrl.compaction.sidequest import TRIGGER, aux_answer
 from compactrl.trace import NO_CURSOR, Trace
 
 
