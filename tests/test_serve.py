@@ -976,6 +976,7 @@ def test_a_threads_answer_deletes_only_cursors_it_saw_and_may_delete(model_dir, 
     outputs only with keep_calls), unknown ones are counted, the unread one stays."""
     from compactrl.compaction import SideQuestConfig
     from compactrl.serve.session import ChatSession, Usage
+    from compactrl.serve.sidequest import delete_named
 
     engine = Engine.from_pretrained(model_dir)
     fmt = ChatFormat.from_tokenizer(engine.tokenizer)
@@ -992,13 +993,13 @@ def test_a_threads_answer_deletes_only_cursors_it_saw_and_may_delete(model_dir, 
     seen = {r.cursor: r for r in cs.records if r.cursor is not None}
     assert sorted(seen) == [0, 1, 2] and cs.step == 2
     before = cs.stream.live
-    deleted = cs.delete_named('I think so.\n{"del_cursors": [0, 2, 7]}', seen, unread={2})
+    deleted = delete_named(cs, 'I think so.\n{"del_cursors": [0, 2, 7]}', seen, unread={2})
     assert deleted == [0] and cs.stats["aux_unknown_cursors"] == 1  # 7 was never open
     assert cs.stats["aux_kept_unread"] == 1  # 2: no answer has read it yet
     gone = [r for r in cs.records if r.deleted]
     assert [r.role for r in gone] == (["user"] if keep_calls else ["assistant", "user"])
     assert all(r.step == 0 for r in gone) and cs.stream.live == before - sum(r.end - r.start for r in gone)
-    assert cs.delete_named("no json here", seen) == [] and cs.stats["aux_parse_failures"] == 1
+    assert delete_named(cs, "no json here", seen) == [] and cs.stats["aux_parse_failures"] == 1
 
 
 def test_the_episode_bench_plays_an_env_over_http_with_and_without_a_sessions_thread(model_dir, tmp_path):

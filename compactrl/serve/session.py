@@ -42,99 +42,27 @@ the message list means use ``compaction = "reprefill"``.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from compactrl.agent.chat import ChatFormat, Conversation
 from compactrl.compaction import Context, Decision, StepView, build_strategy
-from compactrl.compaction.sidequest import parse_deletions
-from compactrl.engine import Engine, SamplingParams, SessionError
+from compactrl.engine import Engine, SamplingParams
 from compactrl.engine.session import Generation
 from compactrl.serve.protocol import ApiError
+from compactrl.serve.records import Plan, Record, Usage, key
+from compactrl.serve.sidequest import side_quest, thread_due
 from compactrl.serve.tools import template_calls
 from compactrl.trace import NO_CURSOR
 
 # strategies a session can run on its own (drop_opened_search needs the tool that made each
 # output, which a chat client does not tell)
-SERVER_STRATEGIES = (
-    "none",
-    "sliding_window",
-    "markovian",
-    "summary",
-    "pick",
-    "evict_steps",
-    "keep_last_cursors",
-    "drop_unreferenced",
-    "random_cursors",
-    "sidequest",
-)
+SERVER_STRATEGIES = ("none", "sliding_window", "markovian", "summary", "pick", "evict_steps", "keep_last_cursors",
+                     "drop_unreferenced", "random_cursors", "sidequest")  # fmt: skip
 CURSOR_LABEL = re.compile(r"^\s*\[Cursor (\d+)\]")
-
-
-def key(role: str, content: str, extra: dict[str, Any] | None = None) -> tuple:
-    """What a message is matched by: role, content and its template fields (tool calls with their
-    arguments parsed, a tool message's call id)."""
-    return role, content, json.dumps(extra, sort_keys=True) if extra else ""
-
-
-@dataclass(eq=False)
-class Record:
-    """A message of the session: its tokens are ``[start, end)`` of the stream (until deleted)."""
-
-    role: str
-    content: str
-    start: int
-    end: int
-    step: int  # -1: the head; else the step (an observation, an answer and what follows, a summary)
-    cursor: int | None = None  # a tool message's cursor id
-    deleted: bool = False  # deleted by the session's own compaction; the client may still send it
-    kind: str = "step"  # "summary": a summary the session's strategy wrote, or its resume message
-    own: bool = False  # written by the session (a summary, a question to the model), not the client
-    extra: dict[str, Any] | None = None  # the template's other fields (tool_calls, tool_call_id, name)
-    sent: tuple | None = None  # an answer returned with tool calls: the key of the message as returned
-
-    def message(self) -> dict[str, Any]:
-        return {"role": self.role, "content": self.content, **(self.extra or {})}
-
-    def key(self) -> tuple:
-        return self.sent or key(self.role, self.content, self.extra)
-
-
-@dataclass
-class Plan:
-    records: list[Record]  # the records after the request (kept ones, new ones appended later)
-    gone: list[Record]  # live records the client removed
-    drop: list[Record]  # live records the session's strategy deletes
-    new: list[tuple[str, str, dict, list[int]]]  # (role, content, extra, tokens) appended
-    prompt: list[int]  # the generation prompt
-    conv: Conversation  # the conversation after the plan
-    ask: tuple | None = None  # (context, groups, request): the strategy asks the model first
-    rooted: int = 0  # tokens fed into a new group root (the group's first prompt) for this request
-
-
-@dataclass
-class Usage:
-    """One request's token accounting (OpenAI's usage plus compactrl's own counts)."""
-
-    prompt_tokens: int = 0  # live tokens the completion is conditioned on
-    cached_tokens: int = 0  # of those, tokens whose KV was already in the stream
-    prefilled_tokens: int = 0  # tokens fed for this request (new messages, generation prompt)
-    evicted_tokens: int = 0  # tokens this request removed from the stream
-    completion_tokens: int = 0
-
-    def body(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "prefilled_tokens": self.prefilled_tokens,
-            "evicted_tokens": self.evicted_tokens,
-        }
+STATS = ("compactions", "pick_fallbacks", "aux_calls", "aux_tokens", "deleted_cursors", "aux_parse_failures",
+         "aux_no_room", "aux_unknown_cursors", "aux_kept_unread", "tool_call_parse_failures")  # fmt: skip
 
 
 class ChatSession:
@@ -177,21 +105,7 @@ class ChatSession:
         self.compacted_at = 0  # actions at the latest compaction
         self.next_cursor = 0
         self.threads: list[dict] = []  # SideQuest: the auxiliary threads' traces
-        self.stats = dict.fromkeys(
-            (
-                "compactions",
-                "pick_fallbacks",
-                "aux_calls",
-                "aux_tokens",
-                "deleted_cursors",
-                "aux_parse_failures",
-                "aux_no_room",
-                "aux_unknown_cursors",
-                "aux_kept_unread",
-                "tool_call_parse_failures",
-            ),
-            0,
-        )
+        self.stats = dict.fromkeys(STATS, 0)
         self.turn = -1
         self.segments: list[dict] = []  # reprefill: the traces of the streams cut before
         self.busy = False
@@ -218,7 +132,7 @@ class ChatSession:
             j = found + 1
         return keep, len(messages)
 
-    def _live(self, r: Record) -> list[int]:
+    def live(self, r: Record) -> list[int]:
         ev = self.stream.evict_at
         return [j for j in range(r.start, r.end) if ev[j] is None]
 
@@ -247,9 +161,9 @@ class ChatSession:
             if k == self.answer_step and incoming_cursor is not None:
                 cursor = incoming_cursor  # the output about to be read is this step's cursor
             text = "\n".join(r.content for r in rs)
-            size = sum(len(self._live(r)) for r in rs)
+            size = sum(len(self.live(r)) for r in rs)
             views.append(StepView(k, size, text, rs[0].kind, cursor, last_used=self.action_of.get(k, 0)))
-        head = sum(len(self._live(r)) for r in live if r.step < 0)
+        head = sum(len(self.live(r)) for r in live if r.step < 0)
         answers = [r for r in live if r.role == "assistant" and not r.own]
         ctx = Context(
             views,
@@ -334,7 +248,7 @@ class ChatSession:
                 "messages",
                 "context_length_exceeded",
             )
-        going = sum(len(self._live(r)) for r in gone + drop)
+        going = sum(len(self.live(r)) for r in gone + drop)
         need = self.engine._blocks(self.stream.live - going + adding + min(max_tokens, limit - base - adding))
         if need > self.engine.config.kv_pool_tokens:
             raise ApiError(
@@ -361,12 +275,12 @@ class ChatSession:
         usage.cached_tokens = s.live - usage.prefilled_tokens
         if plan.ask is not None:
             self._ask(plan, usage, temperature, seed)
-        thread = self._thread_due()
+        thread = thread_due(self)
         if thread == "call":  # the call is in, its output not yet
-            self._side_quest(temperature, seed)
+            side_quest(self, temperature, seed)
         self._feed(plan.new)
         if thread == "output":
-            self._side_quest(temperature, seed)
+            side_quest(self, temperature, seed)
         if s.evictor is not None:  # the head (system prompt, task) is never evicted
             s.evictor.head = max((r.end for r in self.records if r.step < 0), default=0)
         self.turn += 1
@@ -469,7 +383,7 @@ class ChatSession:
         """Remove records from the stream: evicted in place, or (reprefill) the stream is cut at the
         first and every kept record after it fed again. Returns the tokens evicted and fed again."""
         s = self.stream
-        idx = [j for r in gone for j in self._live(r)]
+        idx = [j for r in gone for j in self.live(r)]
         for r in gone:
             r.deleted = True
         if not gone:
@@ -490,88 +404,6 @@ class ChatSession:
             r.end = len(s.tokens)
         refed = sum(len(t) for _, t, *_ in old)
         return evicted - refed, refed
-
-    # ---- SideQuest's thread, sequential -------------------------------------------------------
-    def _thread_due(self) -> str | None:
-        """Where the thread runs at this boundary ("call" or "output"), or None: after every
-        ``every``-th answer."""
-        if self.strategy is None or self.strategy.name != "sidequest" or self.actions == 0:
-            return None
-        return self.strategy.plan.at if self.actions % self.strategy_cfg.every == 0 else None
-
-    def _side_quest(self, temperature: float, seed: int | None) -> None:
-        """Fork the stream here (its KV shared, no copy), ask the trigger, let the model name the
-        cursors to delete, and delete them from this stream in place; the thread's tokens never enter
-        it. It may name only cursors whose output is in at the fork; with ``keep_unread`` not the one
-        the newest answer has not read yet. Its trace is kept for training (``meta["aux"]``)."""
-        plan, st = self.strategy.plan, self.stats
-        seen = {r.cursor: r for r in self.records if r.cursor is not None and not r.deleted and self._live(r)}
-        unread = (
-            {r.cursor for r in seen.values() if r.step == self.answer_step} if plan.keep_unread else set()
-        )
-        conv = self.conv.fork()
-        trigger, prompt = conv.message("user", plan.trigger), conv.prompt()
-        st["aux_calls"] += 1
-        answer, child = None, None
-        try:
-            child = self.stream.fork(f"{self.id}-aux{st['aux_calls']}")
-            fork_at = child.adapter_from = len(child.tokens)  # a thread adapter acts on the thread's tokens
-            child.append(trigger, role="user", turn=self.turn + 1)
-            child.append(prompt, role="assistant", turn=self.turn + 2)
-            params = SamplingParams(
-                max_tokens=plan.max_tokens,
-                temperature=temperature,
-                seed=seed,
-                stop_token_ids=list(self.fmt.stop_ids),
-            )
-            gen = child.generate(params, role="assistant", turn=self.turn + 2)
-            self.engine.run(until=[gen])
-            st["aux_tokens"] += len(gen.tokens)
-            answer = None if gen.finish_reason == "position_limit" else self.fmt.text(gen.tokens)
-        except SessionError:  # no room (pool or positions) for the thread: it deletes nothing
-            pass
-        finally:
-            if child is not None:
-                t = child.trace()
-                child.close()
-                t.trainable[:fork_at], t.logprobs[:fork_at] = False, math.nan
-                t.meta = {
-                    "aux": True,
-                    "action": self.actions,
-                    "fork_at": fork_at,
-                    "keep_calls": plan.keep_calls,
-                    "named": parse_deletions(answer or ""),
-                    "no_room": answer is None,
-                }
-                self.threads.append(t.to_dict())
-        if answer is None:
-            st["aux_no_room"] += 1
-            return
-        self.delete_named(answer, seen, unread)
-
-    def delete_named(self, answer: str, seen: dict[int, Record], unread: set[int] = frozenset()) -> list[int]:
-        """Delete the cursors a thread's ``answer`` names, of those it saw open (``seen``) and may
-        delete (not ``unread``): with ``keep_calls`` their outputs, else their whole steps. Returns
-        the cursors deleted."""
-        plan, st = self.strategy.plan, self.stats
-        delete, unknown = plan.split(answer, set(seen))
-        st["aux_parse_failures"] += delete is None
-        st["aux_unknown_cursors"] += len(unknown)
-        if delete:
-            st["aux_kept_unread"] += len(set(delete) & set(unread))
-            delete = [c for c in delete if c not in unread]
-        gone = [seen[c] for c in delete or ()]
-        if not plan.keep_calls:  # the whole step: the call that made the output too
-            steps = {r.step for r in gone}
-            gone = [r for r in self.records if r.step in steps and not r.deleted and r.step >= 0]
-        idx = [j for r in gone for j in self._live(r)]
-        if idx:
-            self.stream.evict(idx)
-        for r in gone:
-            r.deleted = True
-        st["deleted_cursors"] += len(delete or ())
-        self.conv.reset([r.message() for r in self.records if not r.deleted])
-        return delete or []
 
     def _add(self, role: str, text: str, extra: dict, toks: list[int]) -> None:
         self.turn += 1
