@@ -21,7 +21,6 @@ from compactrl.bench import kvpress_parity, kvpress_scores
 from compactrl.bench.kvpress_parity import KvpressError, check_kvpress_python, compare, evictors, our_scores
 from compactrl.cli import app
 from compactrl.engine import Engine, EngineConfig
-from compactrl.engine.evicting import live_keys
 from compactrl.models.tiny import init_random, tiny_config
 
 KVPRESS_PYTHON = os.environ.get("KVPRESS_PYTHON")
@@ -64,7 +63,7 @@ def test_our_scores_are_the_engines_after_a_prefill(lm):
         s.use_evictor(ev)
         eng.run()
         assert s.fed == s.live == len(tokens)
-        engine = s.evictor.scores(*live_keys(eng, s))  # [layers, Hkv, N]
+        engine = s.evictor.scores(*eng.book.live_keys(s))  # [layers, Hkv, N]
         assert engine.shape == ours[name].shape == (2, 2, len(tokens))
         fin = torch.isfinite(ours[name])
         assert torch.equal(fin, torch.isfinite(engine)), name

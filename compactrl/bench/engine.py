@@ -107,13 +107,13 @@ def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, fl
 def evict_span(eng: Engine, s, start: int, span: int) -> tuple[float, bool]:
     """Evict stream tokens ``[start, start + span)`` and do what the engine's next step does before
     it feeds anything: clear their valid bits and, once the row's holes pass the compaction
-    threshold (``EngineConfig.compact_holes``), compact the row (``Engine._claim``, here claiming no
+    threshold (``EngineConfig.compact_holes``), compact the row (``KVBook.claim``, here claiming no
     entries). Returns (seconds, whether the row was compacted)."""
     device = eng.kv.device
     t0 = _clock(device)
     s.evict([(start, start + span)])
-    eng._apply_drops(s)
-    eng._claim(s, 0)
+    eng.book.apply_drops(s)
+    eng.book.claim(s, 0)
     return _clock(device) - t0, eng.kv.dead[s.row] == 0
 
 

@@ -37,6 +37,7 @@ from compactrl.agent.rollout import EpisodeResult, RolloutSettings
 from compactrl.bench.trainer import machine_info
 from compactrl.compaction import Markovian, PickTurns, SlidingWindow, Summary, build_strategy
 from compactrl.engine import Engine, EngineConfig
+from compactrl.engine.kv_book import KVBook
 from compactrl.envs.rooms import RoomsEnv
 from compactrl.models.config import load_config
 from compactrl.models.loading import config_summary
@@ -73,8 +74,8 @@ def _strategy(name: str, window: int, budget: int):
     }[name]
 
 
-class _Engine(Engine):
-    """An engine that notes the KV demand its preemption decisions are made on.
+class _DemandBook(KVBook):
+    """KV bookkeeping that notes the demand the scheduler's preemption decisions are made on.
 
     Before it feeds ``n`` tokens of a session, the scheduler checks that the pool holds every
     resident row plus this row's ``used + n`` entries (live entries and the holes its evictions
@@ -88,11 +89,17 @@ class _Engine(Engine):
         self.peak_kv: dict[str, int] = {}
         self.peak_pool = 0
 
-    def _claim(self, s, n: int) -> int:
-        before, need = self._blocks(self.kv.used[s.row]), self._blocks(self.kv.used[s.row] + n)
+    def claim(self, s, n: int) -> int:
+        before, need = self.blocks(self.kv.used[s.row]), self.blocks(self.kv.used[s.row] + n)
         self.peak_kv[s.id] = max(self.peak_kv.get(s.id, 0), need)
-        self.peak_pool = max(self.peak_pool, self.kv_tokens_used() - before + need)
-        return super()._claim(s, n)
+        self.peak_pool = max(self.peak_pool, self.used() - before + need)
+        return super().claim(s, n)
+
+
+class _Engine(Engine):
+    """An engine whose bookkeeping notes its KV demand (:class:`_DemandBook`)."""
+
+    Book = _DemandBook
 
 
 def _run(
@@ -134,8 +141,9 @@ def _totals(wall: float, results: list[EpisodeResult], engine: Engine | None = N
         "episodes_per_s": len(results) / wall,
         "generated_tokens_per_s": total("generated_tokens") / wall,
     }
-    if hasattr(engine, "peak_pool"):  # an _Engine
-        out |= {"peak_kv_per_episode": sorted(engine.peak_kv.values()), "peak_pool_demand": engine.peak_pool}
+    if isinstance(engine.book, _DemandBook):  # an _Engine
+        book = engine.book
+        out |= {"peak_kv_per_episode": sorted(book.peak_kv.values()), "peak_pool_demand": book.peak_pool}
     return out
 
 

@@ -2,12 +2,11 @@
 
 Each :meth:`Engine.step` (1) applies evictions that are due, (2) samples the next token of
 every generating session from the logits of its last fed token, (3) picks the tokens to feed
-(decode tokens first, then prefill chunks, within ``max_step_tokens`` and the KV pool), and
-(4) runs one forward. When the pool is full, admitting a session displaces only idle residents;
-a running session that must grow may also displace the most recently admitted busy ones.
-
-Preemption drops a session's KV; it resumes by recomputing its whole stream under its eviction
-mask (:func:`~compactrl.engine.runner.prefill_stream`), which reproduces the dropped K/V exactly.
+(:mod:`~compactrl.engine.scheduler`: decode tokens first, then prefill chunks, within
+``max_step_tokens`` and the KV pool, preempting and restoring sessions), and (4) runs one forward
+(:mod:`~compactrl.engine.runner`). Rows, holes and shared fork prefixes are the
+:mod:`~compactrl.engine.kv_book`'s; a session (:mod:`~compactrl.engine.session`) is the stream
+and its state, and reaches the engine only through the methods of :class:`~.session.Host`.
 
 Weights: :meth:`update_weights` swaps weights in flight and keeps every session's KV, so tokens
 fed before the update keep old-weight K/V (PipelineRL-style staleness); a session preempted
@@ -24,28 +23,21 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.engine.fused import FusedProjection
-from compactrl.engine.kv_cache import KVCache, Segment
+from compactrl.engine.kv_book import KVBook
+from compactrl.engine.kv_cache import KVCache
 from compactrl.engine.linear import Linears, MatmulMode
-from compactrl.engine.runner import Feed, forward_step, prefill_stream, thread_tokens
+from compactrl.engine.runner import Feed, forward_step, thread_tokens
 from compactrl.engine.sampling import Sampler, find_stop
+from compactrl.engine.scheduler import Scheduler
 from compactrl.engine.session import RECORD_FIELDS, Generation, Session, SessionError, SessionMetrics
 from compactrl.models.decoder import CausalLM
 from compactrl.models.loading import load_model
 from compactrl.models.lora import adapter_mask
 from compactrl.models.tokenizer import Tokenizer
-
-
-def _locate(sorted_idx: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions of ``idx`` in the sorted array, and which of them are present."""
-    pos = np.searchsorted(sorted_idx, idx)
-    if not len(sorted_idx):
-        return pos, np.zeros(len(idx), dtype=bool)
-    return pos, (pos < len(sorted_idx)) & (sorted_idx[np.minimum(pos, len(sorted_idx) - 1)] == idx)
 
 
 class EngineConfig(BaseModel):
@@ -69,6 +61,8 @@ class EngineConfig(BaseModel):
 
 
 class Engine:
+    Book = KVBook  # the KV bookkeeping class (a benchmark's subclass may note what it is asked)
+
     def __init__(
         self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None
     ):
@@ -82,9 +76,10 @@ class Engine:
         self.linears = Linears(model, self.config.matmul)
         self.linears.prepare(model)
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
-        self.active: dict[Session, None] = {}  # insertion-ordered set of busy sessions
-        self.segments: set[Segment] = set()
-        self.tick = 0
+        c = self.config
+        self.book = self.Book(self.kv, self.sessions, c.block_size, c.compact_holes)
+        self.scheduler = Scheduler(c, self.book, model, self.linears, self.projections)
+        self.active = self.scheduler.active  # insertion-ordered set of busy sessions
         self.weights_version = 0  # weight loads applied (update_weights / stage_weights)
         self._staged: tuple[dict[str, torch.Tensor], int] | None = None
         self._staged_lock = threading.Lock()
@@ -111,18 +106,17 @@ class Engine:
     def eos_token_ids(self) -> list[int]:
         return self.tokenizer.eos_token_ids if self.tokenizer else list(self.model.config.eos_token_id)
 
-    def _blocks(self, n: int) -> int:
-        b = self.config.block_size
-        return -(-n // b) * b
+    @property
+    def n_layers(self) -> int:
+        return self.kv.n_layers
 
     def kv_tokens_used(self) -> int:
         """Pool usage: every resident row (live entries + holes) and every shared prefix, once."""
-        rows = sum(self._blocks(self.kv.used[s.row]) for s in self.sessions if s.row is not None)
-        return rows + sum(self._blocks(seg.n) for seg in self.segments)
+        return self.book.used()
 
     # ---- sessions --------------------------------------------------------------------------
     def session(self, rollout_id: str | None = None) -> Session:
-        s = Session(self, rollout_id)
+        s = Session(self, rollout_id)  # the session reaches the engine as its Host
         self.sessions[s] = None
         return s
 
@@ -142,11 +136,10 @@ class Engine:
         s.evictor = None
 
     def wake(self, s: Session) -> None:
-        self.active[s] = None
-        s.last_active = time.monotonic()
+        self.scheduler.wake(s)
 
     def check_fits(self, s: Session, more: int) -> None:
-        need = self._blocks(s.live + more)
+        need = self.book.blocks(s.live + more)
         if need > self.config.kv_pool_tokens:
             raise SessionError(
                 f"session {s.id} would need {need} KV tokens (live {s.live} + {more}) but the pool holds "
@@ -170,17 +163,7 @@ class Engine:
         child.drops = type(parent.drops)((e, list(idx)) for e, idx in parent.drops)
         child.pending_logits = None if parent.pending_logits is None else parent.pending_logits.clone()
         child.evictor = copy.deepcopy(parent.evictor)
-        if parent.row is not None:  # freeze the parent's row into a prefix both of them read
-            seg = Segment(parent.row, self.kv.stream_index(parent.row).cpu().numpy().copy(), refs=2)
-            self.segments.add(seg)
-            mask = self.kv.valid[parent.row, : seg.n].clone()
-            for g, _ in parent.chain:
-                g.refs += 1  # the child's reference to the parent's older prefixes
-            child.chain = [(g, m.clone()) for g, m in parent.chain] + [(seg, mask.clone())]
-            parent.chain = parent.chain + [(seg, mask)]
-            for s in (parent, child):
-                s.row = self.kv.alloc()
-                s.admitted_at = self.tick
+        self.book.share(parent, child, self.scheduler.tick)  # the parent's row: a prefix both read
         for s in (parent, child):
             if s.busy:
                 self.wake(s)
@@ -188,142 +171,17 @@ class Engine:
 
     def release(self, s: Session) -> None:
         """Drop a session's KV (close or preemption); shared prefixes go when their last reader does."""
-        if s.row is not None:
-            self.kv.release(s.row)
-            s.row = None
-        for seg, _ in s.chain:
-            seg.refs -= 1
-            if seg.refs == 0:
-                self.kv.release(seg.row)
-                self.segments.discard(seg)
-        s.chain = []
-        self.active.pop(s, None)
+        self.scheduler.release(s)
 
     def truncate(self, s: Session, n: int) -> None:
         """Cut a session's KV back to its first ``n - 1`` stream tokens (token ``n - 1`` is fed
         again, so the next generation has its logits; it gets the same K/V, at the same position)."""
         keep = max(n - 1, 0)
-        if s.row is not None:
-            self.kv.cut(s.row, keep)
-        for seg, mask in s.chain:
-            mask[torch.as_tensor(seg.stream_index >= keep, device=mask.device)] = False
+        self.book.truncate(s, keep)
         s.fed = min(s.fed, keep)
         s.pending_logits = None
         if s.busy:
             self.wake(s)
-
-    # ---- KV bookkeeping --------------------------------------------------------------------
-    def live_parts(self, s: Session, chain=None) -> list[tuple[int, torch.Tensor]]:
-        """A resident session's live KV entries in stream order, as ``(row, entries)``: those of its
-        shared prefixes (``chain``, default all of them) first, then its own row's."""
-        parts = [
-            (seg.row, torch.nonzero(mask).squeeze(1)) for seg, mask in (s.chain if chain is None else chain)
-        ]
-        return parts + [(s.row, torch.nonzero(self.kv.valid[s.row, : self.kv.used[s.row]]).squeeze(1))]
-
-    def _unchain(self, s: Session) -> None:
-        """Fold the shared prefixes at the end of a session's chain that no other session reads any
-        more (their forks closed) back into one row of its own: a chained session attends segment
-        by segment, an unchained one decodes in the batched path."""
-        k = len(s.chain)
-        while k and s.chain[k - 1][0].refs == 1:
-            k -= 1
-        if s.row is None or k == len(s.chain):
-            return
-        row = self.kv.gather(self.live_parts(s, s.chain[k:]))
-        self.kv.release(s.row)
-        for seg, _ in s.chain[k:]:
-            self.kv.release(seg.row)
-            self.segments.discard(seg)
-        s.row, s.chain = row, s.chain[:k]
-
-    def _apply_drops(self, s: Session) -> None:
-        """Clear the KV of evictions that are due (fed == e); a non-resident session keeps them
-        pending until its recompute has put those tokens back."""
-        while s.row is not None and s.drops and s.drops[0][0] == s.fed:
-            _, idx = s.drops.popleft()
-            idx = np.asarray(idx)
-            pos, mine = _locate(self.kv.stream_index(s.row).cpu().numpy(), idx)
-            if mine.any():
-                self.kv.invalidate(s.row, torch.as_tensor(pos[mine], device=self.kv.device))
-            for j in idx[~mine]:
-                for seg, mask in s.chain:
-                    p, found = _locate(seg.stream_index, np.array([j]))
-                    if found[0]:
-                        mask[int(p[0])] = False
-                        break
-                else:
-                    raise AssertionError(f"session {s.id}: token {j} is live but not in its KV")
-
-    def _idle_residents(self) -> bool:
-        """Idle sessions hold KV: waiting out their grace period (or displacing them) makes room."""
-        return any(not s.busy and s.row is not None for s in self.sessions)
-
-    def _displaceable(self, s: Session, now: float) -> bool:
-        """An idle resident that has been idle past the grace period (an agent between turns
-        comes back soon: displacing it would only make it recompute)."""
-        return not s.busy and now - s.last_active >= self.config.idle_grace_s
-
-    def _preempt_one(self, keep: set[Session], idle_only: bool) -> bool:
-        now = time.monotonic()
-        victims = [
-            s for s in self.sessions
-            if s.row is not None and s not in keep
-            and (self._displaceable(s, now) if idle_only else True)
-        ]  # fmt: skip
-        if not victims:
-            return False
-        idle = [s for s in victims if not s.busy]
-        # idle ones first, least recently active; then busy ones, most recently admitted (LIFO)
-        v = min(idle, key=lambda s: s.last_active) if idle else max(victims, key=lambda s: s.admitted_at)
-        self.release(v)
-        v.metrics.preemptions += 1
-        if v.busy:
-            self.wake(v)
-        return True
-
-    def _make_room(self, need: int, keep: set[Session], used: int, idle_only: bool = False) -> int | None:
-        """Preempt until ``need`` more tokens fit; returns the pool usage then, or None if they can't.
-        Admissions only displace idle sessions (so busy ones are not thrashed); growth may displace
-        busy ones too."""
-        while used + need > self.config.kv_pool_tokens:
-            if not self._preempt_one(keep, idle_only):
-                return None
-            used = self.kv_tokens_used()
-        return used
-
-    def _restore(self, s: Session) -> None:
-        """Give a non-resident session a row: empty if nothing was fed, else recompute its stream."""
-        s.row = self.kv.alloc()
-        s.admitted_at = self.tick
-        if s.fed == 0:
-            return
-        T = s.fed
-        ev = torch.tensor([T if e is None or e >= T else e for e in s.evict_at[:T]])
-        own = s.adapter_from if s.adapter_from is not None else T
-        with adapter_mask(self.model, lambda: torch.arange(T, device=self.kv.device) >= own):
-            ks, vs, logits = prefill_stream(
-                self.model, s.tokens[:T], ev, linears=self.linears, projections=self.projections
-            )
-        # live now: never evicted or evicted later than T. Drops due at T were requested while the
-        # session was out: they are done here, so the row holds exactly the `live` it asked room for
-        while s.drops and s.drops[0][0] == T:
-            s.drops.popleft()
-        alive = [j for j, e in enumerate(s.evict_at[:T]) if e is None or e > T]
-        keep = torch.tensor(alive, dtype=torch.long, device=self.kv.device)
-        start = self.kv.append(s.row, len(keep))
-        for li in range(self.kv.n_layers):
-            self.kv.k[li][s.row, :, start : start + len(keep)] = ks[li].index_select(1, keep)
-            self.kv.v[li][s.row, :, start : start + len(keep)] = vs[li].index_select(1, keep)
-        self.kv.pos[s.row, start : start + len(keep)] = keep
-        self.kv.valid[s.row, start : start + len(keep)] = True
-        s.pending_logits = logits
-        s.metrics.reprefilled_tokens += T
-
-    def _claim(self, s: Session, n: int) -> int:
-        if self.kv.dead[s.row] > max(32, self.config.compact_holes * self.kv.used[s.row]):
-            self.kv.compact(s.row)
-        return self.kv.append(s.row, n)
 
     # ---- one step ----------------------------------------------------------------------------
     def _sample(self, ready: list[Session]) -> None:
@@ -356,15 +214,15 @@ class Engine:
 
     def step(self) -> int:
         """One batched forward over the active sessions; returns the number of tokens fed."""
-        self.tick += 1
+        self.scheduler.tick += 1
         self.load_staged()
         for s in list(self.active):
-            self._apply_drops(s)
-            self._unchain(s)
+            self.book.apply_drops(s)
+            self.book.unchain(s)
         ready = [s for s in self.active if s.generating and s.unfed == 0 and s.pending_logits is not None]
         if ready:
             self._sample(ready)
-        feeds, pool_used = self._schedule()
+        feeds, pool_used = self.scheduler.schedule()
         if feeds:
             t0 = time.perf_counter()
             with adapter_mask(self.model, lambda: thread_tokens(feeds, self.kv.device)):
@@ -377,46 +235,10 @@ class Engine:
         for s in list(self.active):
             if not s.busy:
                 del self.active[s]
-        if not feeds and not ready and self.active and not self._idle_residents():
+        if not feeds and not ready and self.active and not self.scheduler.idle_residents():
             stuck = ", ".join(s.id for s in self.active)
             raise RuntimeError(f"no progress possible for sessions {stuck}: the KV pool cannot hold them")
         return sum(f.n for f in feeds)
-
-    def _schedule(self) -> tuple[list[Feed], int]:
-        """Pick this step's tokens: decode tokens first, then prefill chunks in arrival order, within
-        ``max_step_tokens``; admit (or resume) sessions and preempt others to fit the KV pool."""
-        feeds: list[Feed] = []
-        picked: set[Session] = set()
-        budget = self.config.max_step_tokens
-        pool_used = self.kv_tokens_used()
-        for s in sorted(self.active, key=lambda s: not s.generating):
-            if budget <= 0:
-                break
-            if s.unfed == 0:
-                continue
-            if s.row is None:  # new or preempted: (re)admit it, recomputing what it had fed
-                room = self._make_room(self._blocks(s.live), picked | {s}, pool_used, idle_only=True)
-                if room is None:
-                    pool_used = self.kv_tokens_used()
-                    continue
-                self._restore(s)
-                self._apply_drops(s)
-                pool_used = room + self._blocks(self.kv.used[s.row])
-            limit = s.drops[0][0] - s.fed if s.drops else s.unfed  # an eviction splits the chunk
-            n = min(s.unfed, limit, budget)
-            before = self._blocks(self.kv.used[s.row])
-            room = self._make_room(self._blocks(self.kv.used[s.row] + n) - before, picked | {s}, pool_used)
-            if room is None:
-                pool_used = self.kv_tokens_used()
-                continue
-            entry = self._claim(s, n)
-            pool_used = room - before + self._blocks(self.kv.used[s.row])
-            done = s.fed + n == len(s.tokens)
-            keep_q = s.evictor.keep(n) if s.evictor else 0
-            feeds.append(Feed(s, s.tokens[s.fed : s.fed + n], s.fed, entry, s.row, s.chain, done, keep_q))
-            picked.add(s)
-            budget -= n
-        return feeds, pool_used
 
     def _fed(self, f: Feed, logits: torch.Tensor | None) -> None:
         s = f.session
@@ -429,11 +251,11 @@ class Engine:
         if logits is not None:
             s.pending_logits = logits
         if s.evictor:  # before this step's due drops: H2O sums attention over the keys it was paid to
-            s.evictor.observe(self, s, f)
-        self._apply_drops(s)
+            s.evictor.observe(self.book, s, f)
+        self.book.apply_drops(s)
         if s.evictor:
-            s.evictor.after_feed(self, s, decoded=sampled if f.n == 1 else 0)
-            self._apply_drops(s)
+            s.evictor.after_feed(self.book, s, decoded=sampled if f.n == 1 else 0)
+            self.book.apply_drops(s)
 
     def run(self, until: list[Generation] | None = None) -> None:
         """Step until every session is idle (or the given generations are done)."""

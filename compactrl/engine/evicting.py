@@ -16,14 +16,11 @@ session never mixes in CPU tensors, and only the evicted indices come back to th
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from compactrl.engine.engine import Engine
-    from compactrl.engine.runner import Feed
-    from compactrl.engine.session import Session
+from compactrl.engine.kv_book import KVBook
+from compactrl.engine.runner import Feed
 
 
 class EvictorState:
@@ -42,16 +39,16 @@ class EvictorState:
         return n if self.evictor.accumulates else min(n, self.evictor.queries)
 
     @torch.inference_mode()
-    def observe(self, engine: Engine, s: Session, f: Feed) -> None:
-        """Take the fed queries: keep the newest, and (H2O) add the attention they paid."""
+    def observe(self, book: KVBook, s, f: Feed) -> None:
+        """Take session ``s``'s fed queries: keep the newest, and (H2O) add the attention they paid."""
         t0 = time.perf_counter()
         ev = self.evictor
-        dev = engine.kv.device
+        dev = book.kv.device
         end = f.start + f.n
         pos = torch.arange(end - len(f.queries[0]), end, device=dev) if f.queries else None
         if ev.accumulates and pos is not None:
-            self._grow(end, engine.kv.n_kv, dev)
-            k_pos, keys = live_keys(engine, s)
+            self._grow(end, book.kv.n_kv, dev)
+            k_pos, keys = book.live_keys(s)
             for li, q in enumerate(f.queries):
                 self.acc[li][:, k_pos] += ev.received(q, pos, keys[li], k_pos)
             # query i saw keys 0..i: key j was seen by min(m, end - j) of them
@@ -73,7 +70,7 @@ class EvictorState:
             self.seen = torch.cat([self.seen, self.seen.new_zeros(cap - len(self.seen))])
 
     @torch.inference_mode()
-    def after_feed(self, engine: Engine, s: Session, decoded: int) -> None:
+    def after_feed(self, book: KVBook, s, decoded: int) -> None:
         """Evict down to the budget if due: right after a prefill, or every ``interval`` decoded tokens."""
         ev = self.evictor
         self.decoded += decoded
@@ -82,10 +79,10 @@ class EvictorState:
         t0 = time.perf_counter()
         self.decoded = 0
         if ev.draws:  # random: no keys, a draw from the stream so far
-            k_pos, _ = live_keys(engine, s, layers=False)
+            k_pos, _ = book.live_keys(s, layers=False)
             score = ev.draw(s.tokens[: s.fed], k_pos)
         else:
-            k_pos, keys = live_keys(engine, s)
+            k_pos, keys = book.live_keys(s)
             score = self.scores(k_pos, keys).mean((0, 1))
         turn = torch.tensor(s.turn, device=k_pos.device)[k_pos]
         protected = (k_pos < self.head) | (k_pos >= s.fed - ev.window)
@@ -111,13 +108,3 @@ class EvictorState:
             out.append(ev.layer_scores(self.q[li], self.q_pos, k, k_pos, acc))
         return torch.stack(out)
 
-
-def live_keys(engine: Engine, s: Session, layers: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A resident session's live keys in stream order: their stream positions ``[N]`` and, per layer,
-    ``[Hkv, N, D]`` (shared prefixes of a fork first, then its own row; none unless ``layers``), all
-    on the KV's device."""
-    kv, parts = engine.kv, engine.live_parts(s)
-    pos = torch.cat([kv.pos[row, e] for row, e in parts])
-    if not layers:
-        return pos, []
-    return pos, [torch.cat([kv.k[li][row][:, e] for row, e in parts], 1) for li in range(kv.n_layers)]

@@ -13,7 +13,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -22,9 +22,6 @@ from compactrl.engine.evicting import EvictorState
 from compactrl.engine.kv_cache import Segment
 from compactrl.engine.sampling import SamplingParams, make_generator
 from compactrl.trace import NO_CURSOR, ROLES, Trace
-
-if TYPE_CHECKING:
-    from compactrl.engine.engine import Engine
 
 _ids = itertools.count()
 RECORD_FIELDS = (
@@ -111,10 +108,30 @@ class Footprint:
                 self.readers[k] -= 1
 
 
+class Host(Protocol):
+    """All a session asks of the engine that owns it (:class:`compactrl.engine.Engine`)."""
+
+    tokenizer: object | None
+    vocab_size: int
+    position_limit: int
+    eos_token_ids: list[int]
+    n_layers: int
+
+    def check_fits(self, s: Session, more: int) -> None: ...  # the pool can ever hold it
+
+    def wake(self, s: Session) -> None: ...  # it has tokens to feed or a generation to run
+
+    def truncate(self, s: Session, n: int) -> None: ...  # its KV from stream index n - 1 on goes
+
+    def fork(self, s: Session, rollout_id: str | None) -> Session: ...
+
+    def forget(self, s: Session) -> None: ...  # closed: it leaves the engine
+
+
 class Session:
     """Create with :meth:`Engine.session`; then append / generate / evict / fork / close."""
 
-    def __init__(self, engine: Engine, rollout_id: str | None = None):
+    def __init__(self, engine: Host, rollout_id: str | None = None):
         self.engine = engine
         self.id = rollout_id or f"s{next(_ids)}"
         self.tokens: list[int] = []
@@ -278,7 +295,7 @@ class Session:
         from now on; stream indices below ``head`` are never evicted (set ``evictor.head`` later if
         the head is not appended yet)."""
         self._check_open("use an evictor")
-        self.evictor = EvictorState(evictor, self.engine.kv.n_layers, head)
+        self.evictor = EvictorState(evictor, self.engine.n_layers, head)
         return self
 
     def fork(self, rollout_id: str | None = None) -> Session:

@@ -56,10 +56,9 @@ from compactrl.serve.sidequest import side_quest, thread_due
 from compactrl.serve.tools import template_calls
 from compactrl.trace import NO_CURSOR
 
-# strategies a session can run on its own (drop_opened_search needs the tool that made each
-# output, which a chat client does not tell)
-SERVER_STRATEGIES = ("none", "sliding_window", "markovian", "summary", "pick", "evict_steps", "keep_last_cursors",
-                     "drop_unreferenced", "random_cursors", "sidequest")  # fmt: skip
+# strategies a session runs on its own (drop_opened_search needs each output's tool: clients don't say)
+SERVER_STRATEGIES = ("none", "sliding_window", "markovian", "summary", "pick", "evict_steps",
+                     "keep_last_cursors", "drop_unreferenced", "random_cursors", "sidequest")  # fmt: skip
 CURSOR_LABEL = re.compile(r"^\s*\[Cursor (\d+)\]")
 STATS = ("compactions", "pick_fallbacks", "aux_calls", "aux_tokens", "deleted_cursors", "aux_parse_failures",
          "aux_no_room", "aux_unknown_cursors", "aux_kept_unread", "tool_call_parse_failures")  # fmt: skip
@@ -249,7 +248,8 @@ class ChatSession:
                 "context_length_exceeded",
             )
         going = sum(len(self.live(r)) for r in gone + drop)
-        need = self.engine._blocks(self.stream.live - going + adding + min(max_tokens, limit - base - adding))
+        live = self.stream.live - going + adding
+        need = self.engine.book.blocks(live + min(max_tokens, limit - base - adding))
         if need > self.engine.config.kv_pool_tokens:
             raise ApiError(
                 413,
@@ -464,7 +464,7 @@ class ChatSession:
                 "prompt",
                 "context_length_exceeded",
             )
-        need = self.engine._blocks(len(prompt) + max_tokens)
+        need = self.engine.book.blocks(len(prompt) + max_tokens)
         if need > self.engine.config.kv_pool_tokens:
             raise ApiError(
                 413,
