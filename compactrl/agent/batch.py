@@ -76,6 +76,16 @@ class ModelSource(BaseModel):
         return v
 
 
+EVICTOR_FIELD = (
+    "a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, knorm, random; "
+    "see compactrl.compaction.evictors), alone or with the strategy"
+)
+MODE_FIELD = (
+    "full: no compaction; stream: compaction evicts KV in place, one trace per episode; reprefill: the "
+    "kept context is prefilled again, one trace per segment"
+)
+
+
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -83,16 +93,8 @@ class RolloutConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     env: EnvConfig = Field(RoomsConfig(), description=ENV_FIELD)
     strategy: StrategyConfig = SlidingWindow()
-    evictor: EvictorConfig | None = Field(
-        None,
-        description="a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, "
-        "knorm, random; see compactrl.compaction.evictors), alone or with the strategy",
-    )
-    mode: Literal["full", "reprefill", "stream"] = Field(
-        "stream",
-        description="full: no compaction; stream: compaction evicts KV in place, one trace per "
-        "episode; reprefill: the kept context is prefilled again, one trace per segment",
-    )
+    evictor: EvictorConfig | None = Field(None, description=EVICTOR_FIELD)
+    mode: Literal["full", "reprefill", "stream"] = Field("stream", description=MODE_FIELD)
     rollout: RolloutSettings = RolloutSettings()
     episodes: int = Field(8, ge=1, description="episodes to run (episode i on env seed seed + i)")
     concurrency: int = Field(8, ge=1, description="episodes in flight at once")

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compactrl.agent.batch import ModelSource
+from compactrl.agent.batch import EVICTOR_FIELD, MODE_FIELD, ModelSource
 from compactrl.agent.rollout import RolloutSettings
 from compactrl.compaction import SlidingWindow, StrategyConfig
 from compactrl.compaction.evictors import EvictorConfig, check_mode
@@ -92,16 +92,8 @@ class TrainConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     env: EnvConfig = Field(CountConfig(), description=ENV_FIELD)
     strategy: StrategyConfig = SlidingWindow(max_turns=3)
-    evictor: EvictorConfig | None = Field(
-        None,
-        description="a token evictor the engine runs in stream mode (h2o, snapkv, rkv, streamingllm, tova, "
-        "knorm, random; see compactrl.compaction.evictors), alone or with the strategy",
-    )
-    mode: Literal["full", "reprefill", "stream"] = Field(
-        "stream",
-        description="full: no compaction; stream: compaction evicts KV in place, one trace per "
-        "episode; reprefill: the kept context is prefilled again, one trace per segment",
-    )
+    evictor: EvictorConfig | None = Field(None, description=EVICTOR_FIELD)
+    mode: Literal["full", "reprefill", "stream"] = Field("stream", description=MODE_FIELD)
     rollout: RolloutSettings = RolloutSettings(max_tokens=4)
     train: TrainSettings = TrainSettings(lr=3e-3)
     steps: int = Field(
