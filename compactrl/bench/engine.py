@@ -93,13 +93,14 @@ def _hf(hf_model, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
 
 
 def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, float]]:
-    """Per engine (decode tokens/s, prefill tokens/s), medians over ``repeats`` rounds. The engines
-    take turns within each round, so a slow phase of a shared machine hits them alike."""
-    times = [[run(prompts, new_tokens) for run in runs] for _ in range(repeats)]
+    """Per engine (decode tokens/s, prefill tokens/s), the best of ``repeats`` rounds after one
+    untimed warm-up round: the protocol ``vllm_baseline.py`` gives vLLM. The engines take turns
+    within each round, so a slow phase of a shared machine hits them alike."""
+    times = [[run(prompts, new_tokens) for run in runs] for _ in range(repeats + 1)][1:]
     B, C = len(prompts), len(prompts[0])
     out = []
     for e in range(len(runs)):
-        prefill, decode = (float(np.median([t[e][i] for t in times])) for i in (0, 1))
+        prefill, decode = (min(t[e][i] for t in times) for i in (0, 1))
         out.append((B * new_tokens / decode, B * C / prefill))
     return out
 
@@ -161,12 +162,19 @@ def eviction_cost(model, context: int, sessions: int = 3) -> dict:
 
 
 def _vllm(
-    vllm_python: str, model_dir: Path, batch: int, context: int, new_tokens: int, threads: int, dtype: str
+    vllm_python: str,
+    model_dir: Path,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    threads: int,
+    dtype: str,
+    repeats: int,
 ) -> dict | None:
     script = Path(__file__).with_name("vllm_baseline.py")
     cmd = [vllm_python, str(script), "decode", "--model", str(model_dir), "--batch", str(batch)]
     cmd += ["--context", str(context), "--new-tokens", str(new_tokens), "--threads", str(threads)]
-    cmd += ["--dtype", dtype]
+    cmd += ["--dtype", dtype, "--repeats", str(repeats)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ})
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-2000:])
@@ -224,7 +232,7 @@ def run_engine_bench(
                     "transformers_prefill_tokens_per_s": p_hf,
                 }
                 if vllm_python:
-                    v = _vllm(vllm_python, folder, batch, context, new_tokens, threads, dtype)
+                    v = _vllm(vllm_python, folder, batch, context, new_tokens, threads, dtype, repeats)
                     if v is not None:
                         # vLLM's decode-only rate: (t(N) - t(1)) on fresh prompts, prefill excluded
                         row["vllm_decode_tokens_per_s"] = v["decode_only_tokens_per_s"]

@@ -38,7 +38,7 @@ def bench_engine(
     ] = None,
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 64,
     threads: Annotated[int, typer.Option(help="torch intra-op threads (2 on 2 busy cores thrashes).")] = 1,
-    repeats: Annotated[int, typer.Option(help="Timed repeats (median is reported).")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed rounds after a warm-up (the best is reported).")] = 3,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 (every engine runs in it).")] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
     vllm_python: Annotated[
