@@ -19,13 +19,10 @@ from compactrl.rl.monitor import LogSettings
 from compactrl.rl.objectives import RL, ObjectiveConfig
 from compactrl.rl.trainer import TrainSettings
 
-# top-level fields an earlier layout had, now fields of [objective]
-MOVED = {
-    "advantage": "advantage", "gamma": "gamma", "lam": "lam", "gae_form": "gae_form",
-    "normalize_std": "normalize_std", "chance": "chance", "memory_cost": "memory_cost",
-    "train_aux": "train_aux", "epochs": "epochs", "minibatches": "minibatches",
-    "rft_min_reward": "min_reward", "sidequest": "traces, split, kl, adapter",
-}  # fmt: skip
+# top-level fields of an earlier layout -> where they are now, in [objective]
+MOVED = {k: k for k in ("advantage", "gamma", "lam", "gae_form", "normalize_std", "chance", "memory_cost",
+                        "train_aux", "epochs", "minibatches")}  # fmt: skip
+MOVED |= {"rft_min_reward": "min_reward", "sidequest": "traces, split, kl, adapter"}
 
 
 class ClusterConfig(BaseModel):

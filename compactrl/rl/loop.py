@@ -36,7 +36,7 @@ from compactrl.rl.config import TrainConfig
 from compactrl.rl.critic import ValueHead
 from compactrl.rl.evaluate import record_eval
 from compactrl.rl.monitor import Monitor, check_log_settings, note
-from compactrl.rl.objectives import SFT, Run
+from compactrl.rl.objectives import SFT, Objective, Run
 from compactrl.rl.run_dir import RunDirError, open_run_dir
 from compactrl.rl.sampler import BackgroundSampler
 from compactrl.rl.trainer import Trainer
@@ -154,7 +154,7 @@ def train(
         engine.tokenizer, cfg.rollout.chat_rewrites, cfg.rollout.chat_template_kwargs
     )
     strategy = build_strategy(cfg.strategy)
-    objective = cfg.objective
+    objective: Objective = cfg.objective
     critic = getattr(objective, "advantage", None) == "gae"
     head = ValueHead(model.config.hidden_size) if critic else None
     trainer = placement.trainer(cfg, model, head)
@@ -214,7 +214,7 @@ def train(
                     evaluate("before")
                 for group in trainer.optimizer.param_groups:  # the warm-up may have its own learning rate
                     group["lr"] = cfg.sft_lr if step <= cfg.sft_steps and cfg.sft_lr else cfg.train.lr
-                now = warmup if step <= cfg.sft_steps else objective  # the same optimizer
+                now: Objective = warmup if step <= cfg.sft_steps else objective  # the same optimizer
                 if (now.anchored or cfg.train.kl_ref and now.rollouts) and trainer.reference is None:
                     trainer.reference = _reference(cfg, model, run_dir, fresh=step == cfg.sft_steps + 1)
                 if now.rollouts and not sampling:  # sampled ahead, or on rollout workers, from here on
