@@ -146,8 +146,7 @@ class Linears:
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = (a.q_proj, a.k_proj, a.v_proj)
-            mlp = ((m.gate_proj,), (m.up_proj,)) if self.fuses(m.gate_proj) else ((m.gate_proj, m.up_proj),)
-            for group in (qkv, (a.o_proj,), *mlp, (m.down_proj,)):
+            for group in (qkv, (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
                 if self.stacks(*group):
                     self._reordered(group, group[0].weight.dtype)
         if self.stacks(model.lm_head):
@@ -157,39 +156,20 @@ class Linears:
         """Whether :meth:`stacked` runs ``layers`` as one GEMM (``onednn``, plain linear layers)."""
         return self.onednn and all(type(m) is nn.Linear for m in layers)
 
-    def stacked(
-        self, x: torch.Tensor, *layers: nn.Linear, dtype: torch.dtype | None = None, post: str = "none",
-        other: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """The outputs of ``layers`` on ``x``, concatenated, from one oneDNN GEMM (see :meth:`stacks`);
-        ``post``: an elementwise op oneDNN applies to the output in the same pass (``swish``, or with
-        ``other`` of the output's shape: ``add``, ``mul``)."""
+    def stacked(self, x: torch.Tensor, *layers: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The outputs of ``layers`` on ``x``, concatenated, from one oneDNN GEMM (see :meth:`stacks`)."""
         dtype = dtype or x.dtype
         w, b = self._reordered(layers, dtype)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        if other is None:
-            y = torch.ops.mkldnn._linear_pointwise(x2, w, b, post, [], "")
-        else:
-            y = torch.ops.mkldnn._linear_pointwise.binary(x2, other.reshape(len(x2), -1), w, b, post)
-        return y.view(*x.shape[:-1], -1)
+        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "").view(*x.shape[:-1], -1)
 
     # ---- layers -------------------------------------------------------------------------------
-    def fuses(self, *layers: nn.Module) -> bool:
-        """Whether elementwise work after ``layers`` runs inside their GEMM: float32 only, so that a
-        low-precision model rounds where its own modules (and the trainer) round."""
-        return self.stacks(*layers) and layers[0].weight.dtype == torch.float32
-
-    def linear(self, m: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``m(x)``, plus ``residual`` when given (under ``onednn`` in float32, in the GEMM's pass)."""
-        if residual is not None and self.fuses(m):
-            return self.stacked(x, m, post="add", other=residual)
+    def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.stacks(m):
-            out = self.stacked(x, m)
-        elif not self._wants(m, x):
-            out = m(x)
-        else:
-            out = self.mm32(x, m.weight, m.bias).to(x.dtype)
-        return out if residual is None else residual + out
+            return self.stacked(x, m)
+        if not self._wants(m, x):
+            return m(x)
+        return self.mm32(x, m.weight, m.bias).to(x.dtype)
 
     def packed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x [N, in], weight, bias)`` for a packed weight (the fused q/k/v)."""
@@ -197,20 +177,15 @@ class Linears:
             return F.linear(x, weight, bias)
         return self.mm32(x, weight, bias).to(x.dtype)
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """SwiGLU (plus ``residual`` when given), each projection through :meth:`linear`. Under
-        ``onednn``: in float32 SiLU, the gate product and the residual run inside the GEMMs' passes
-        (gate, up and down: three GEMMs, no elementwise pass); in bfloat16 gate and up are one GEMM."""
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU, each projection through :meth:`linear` (under ``onednn``, gate and up as one GEMM)."""
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        if self.fuses(gate, up, down):
-            h = self.stacked(x, up, post="mul", other=self.stacked(x, gate, post="swish"))
-            return self.linear(down, h, residual)
         if self.stacks(gate, up):
             g, u = self.stacked(x, gate, up).chunk(2, dim=-1)
-            return self.linear(down, F.silu(g) * u, residual)
+            return self.linear(down, F.silu(g) * u)
         if not self._wants(down, x):
-            return mlp(x) if residual is None else residual + mlp(x)
-        return self.linear(down, F.silu(self.linear(gate, x)) * self.linear(up, x), residual)
+            return mlp(x)
+        return self.linear(down, F.silu(self.linear(gate, x)) * self.linear(up, x))
 
     def logits(self, lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[..., vocab]`` of final-norm ``hidden [..., d]``; a low-precision model's head

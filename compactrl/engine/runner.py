@@ -188,8 +188,8 @@ def forward_step(
             o = offsets[id(f)]
             heads = q[o : o + f.n].transpose(0, 1)[None]
             out[o : o + f.n] = _session_attention(heads, kv, li, f)[0].transpose(0, 1)
-        x = lin.linear(layer.self_attn.o_proj, out.view(N, -1), residual=x)
-        x = lin.mlp(layer.mlp, layer.post_attention_layernorm(x), residual=x)
+        x = x + lin.linear(layer.self_attn.o_proj, out.view(N, -1))
+        x = x + lin.mlp(layer.mlp, layer.post_attention_layernorm(x))
     want = [i for i, f in enumerate(feeds) if f.logits]
     if not want:
         return {}
@@ -231,6 +231,6 @@ def prefill_stream(
         ks.append(k[0])
         vs.append(v[0])
         a = attend(q, k, v, mask)
-        x = lin.linear(attn.o_proj, a.transpose(1, 2).reshape(1, T, -1), residual=x)
-        x = lin.mlp(layer.mlp, layer.post_attention_layernorm(x), residual=x)
+        x = x + lin.linear(attn.o_proj, a.transpose(1, 2).reshape(1, T, -1))
+        x = x + lin.mlp(layer.mlp, layer.post_attention_layernorm(x))
     return ks, vs, lin.logits(model, model.model.norm(x[0, -1]))
