@@ -102,7 +102,8 @@ def test_modes_bench_repeats_every_run_in_interleaved_rounds(monkeypatch, tmp_pa
         for r in results:
             r.peak_live_kv = peak if mode != "stream" else 10
             r.preemptions = int(concurrency * peak > pool)
-        engine = SimpleNamespace(peak_kv={r.seed: peak for r in results}, peak_pool=concurrency * peak)
+        book = SimpleNamespace(peak_kv={r.seed: peak for r in results}, peak_pool=concurrency * peak)
+        engine = SimpleNamespace(book=book)
         return 1.0 + 0.1 * len(calls), results, engine if demand else None
 
     monkeypatch.setattr(modes, "_run", fake_run)

@@ -142,7 +142,7 @@ def test_fork_shares_the_prefix_without_copying(tiny_lm):
     assert parent.trace().num_evicted == 6 and kids[0].trace().num_evicted == 0
     for s in [parent, *kids, grand]:
         s.close()
-    assert eng.kv_tokens_used() == 0 and not eng.segments
+    assert eng.kv_tokens_used() == 0 and not eng.book.segments
 
 
 def test_a_prefix_no_fork_reads_any_more_folds_back_into_its_session(tiny_lm):
@@ -161,12 +161,12 @@ def test_a_prefix_no_fork_reads_any_more_folds_back_into_its_session(tiny_lm):
     p.evict([(2, 5)])  # in the shared prefix, for the parent only
     p.generate(SamplingParams(max_tokens=3, seed=2, ignore_eos=True, model_logprobs=True))
     eng.run()
-    assert len(p.chain) == 1 and len(eng.segments) == 1  # the kid still reads it: no fold
+    assert len(p.chain) == 1 and len(eng.book.segments) == 1  # the kid still reads it: no fold
     assert_matches_trainer(tiny_lm, [kid])
     kid.close()
     p.generate(SamplingParams(max_tokens=4, seed=3, ignore_eos=True, model_logprobs=True))
     eng.run()
-    assert p.chain == [] and not eng.segments and eng.kv.used[p.row] == p.live  # one row, no holes
+    assert p.chain == [] and not eng.book.segments and eng.kv.used[p.row] == p.live  # one row, no holes
     assert_matches_trainer(tiny_lm, [p])
     p.close()
     assert eng.kv_tokens_used() == 0
@@ -543,7 +543,7 @@ def test_the_engine_forgets_closed_sessions_over_ten_thousand_of_them(tiny_lm):
             s.close()
         gone += [weakref.ref(s) for s in batch[::10]]
         del batch, s
-        sizes.append((len(eng.sessions), len(eng.active), len(eng.segments), eng.kv.nbytes(),
+        sizes.append((len(eng.sessions), len(eng.active), len(eng.book.segments), eng.kv.nbytes(),
                       eng.kv_tokens_used()))  # fmt: skip
     gc.collect()
     assert all(r() is None for r in gone)  # nothing in the engine still holds a closed session

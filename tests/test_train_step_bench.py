@@ -40,7 +40,7 @@ def test_bench_trains_the_same_tokens_from_more_forwarded_tokens(tmp_path):
 
 
 def test_bench_splices_sidequest_forks_and_feeds_fewer_tokens_than_forks_apart(tmp_path):
-    sets = ["mode=stream", "objective=rl", "env.name=browse", "env.world_size=40", "strategy.name=sidequest",
+    sets = ["mode=stream", "env.name=browse", "env.world_size=40", "strategy.name=sidequest",
             "strategy.every=1", "rollout.max_turns=6", "prompts=1", "group_size=2",
             f"out={tmp_path}"]  # fmt: skip
     r = run_train_step_bench(load_config(TrainConfig, None, sets), repeats=1)

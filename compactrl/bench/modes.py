@@ -141,8 +141,7 @@ def _totals(wall: float, results: list[EpisodeResult], engine: Engine | None = N
         "episodes_per_s": len(results) / wall,
         "generated_tokens_per_s": total("generated_tokens") / wall,
     }
-    if isinstance(engine.book, _DemandBook):  # an _Engine
-        book = engine.book
+    if hasattr(book := getattr(engine, "book", None), "peak_pool"):  # an _Engine's _DemandBook
         out |= {"peak_kv_per_episode": sorted(book.peak_kv.values()), "peak_pool_demand": book.peak_pool}
     return out
 
