@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import machine_info
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 
 KINDS = {  # aten op -> kind (ops not named here count as "other")

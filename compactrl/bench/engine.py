@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import machine_info
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 from compactrl.engine.linear import Linears
 from compactrl.models.loading import config_summary, load_model, resolve_dtype

@@ -32,7 +32,7 @@ import torch
 from compactrl.agent.batch import run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import NON_COMPLETION, RolloutSettings
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import machine_info
 from compactrl.compaction import EvictSteps, Markovian, SlidingWindow, build_strategy
 from compactrl.compaction.evictors import EVICTORS, H2O, RKV, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from compactrl.engine import Engine, EngineConfig

@@ -34,7 +34,7 @@ import torch
 from compactrl.agent.batch import run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import EpisodeResult, RolloutSettings
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import interleaved, machine_info
 from compactrl.compaction import Markovian, PickTurns, SlidingWindow, Summary, build_strategy
 from compactrl.engine import Engine, EngineConfig
 from compactrl.engine.kv_book import KVBook
@@ -290,12 +290,14 @@ def run_modes_bench(
         advance()
 
         cfgs = {name: _strategy(name, window, budget) for name in strategies} | {"full": SlidingWindow()}
-        runs: dict[tuple[str, str], list[dict]] = {arm: [] for arm in arms}
-        for rnd in range(repeats):  # every run once per round, in reverse order every other round
-            for name, mode in arms if rnd % 2 == 0 else arms[::-1]:
-                wall, results, _ = _run(folder, make_env, cfgs[name], mode, settings, seeds, episodes, big)
-                runs[name, mode].append(_totals(wall, results))
-                advance()
+
+        def timed_run(name: str, mode: str) -> dict:
+            wall, results, _ = _run(folder, make_env, cfgs[name], mode, settings, seeds, episodes, big)
+            return _totals(wall, results)
+
+        # the long episode above warmed the process up; the runs take turns, reversed every other round
+        turns = {a: lambda a=a: timed_run(*a) for a in arms}
+        runs = interleaved(turns, repeats, warmup=False, alternate=True, advance=advance)
         full = _summary(runs["full", "full"])
         rows = []
         for name in strategies:

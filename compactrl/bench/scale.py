@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import machine_info
 from compactrl.cluster import launch
 from compactrl.rl.config import TrainConfig
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import machine_info
 from compactrl.models.config import load_config
 
 WORDS = (

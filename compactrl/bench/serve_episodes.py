@@ -26,8 +26,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compactrl.bench.harness import machine_info
 from compactrl.bench.serve import launch, stop
-from compactrl.bench.trainer import machine_info
 from compactrl.compaction import StrategyConfig
 from compactrl.compaction.evictors import EvictorConfig
 from compactrl.config import read_toml

@@ -18,7 +18,6 @@ exactly the same policy tokens (checked).
 from __future__ import annotations
 
 import copy
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch
 
 from compactrl.agent.batch import load_engine
 from compactrl.agent.chat import ChatFormat
-from compactrl.bench.trainer import machine_info
+from compactrl.bench.harness import interleaved, machine_info, medians
 from compactrl.compaction import build_strategy
 from compactrl.masks import streams
 from compactrl.models.loading import config_summary
@@ -103,15 +102,14 @@ def run_train_step_bench(
     if len(set(trained.values())) > 1:
         raise AssertionError(f"the views train different tokens: {trained}")
     advance = progress(len(arms) * (repeats + 1)) if progress else (lambda: None)
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for rep in range(repeats + 1):  # repeat 0 warms up (allocator, first-call overheads)
-        for name, (trainer, samples) in arms.items():
-            t0 = time.perf_counter()
-            trainer.step(samples)
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-            advance()
-    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def step(trainer: Trainer, samples: list[Sample]) -> float:
+        t0 = time.perf_counter()
+        trainer.step(samples)
+        return time.perf_counter() - t0
+
+    times = interleaved({k: lambda a=a: step(*a) for k, a in arms.items()}, repeats, advance=advance)
+    med = medians(times)
     source = cfg.model.path or f"tiny qwen3 {cfg.model.size}"
     fed = {name: sum(len(s.trace) for s in samples) for name, (_, samples) in arms.items()}
     fed["stream"] = sum(map(len, streams([s.trace for s in stream + forks])))  # the forks spliced in

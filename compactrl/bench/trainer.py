@@ -17,11 +17,8 @@ up to a partial segment otherwise (summary).
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +27,7 @@ import numpy as np
 import torch
 
 from compactrl.bench.cost import extra_prefill
+from compactrl.bench.harness import interleaved, machine_info, medians, timed
 from compactrl.bench.synthetic import (
     STRATEGIES,
     Strategy,
@@ -40,21 +38,8 @@ from compactrl.bench.synthetic import (
 from compactrl.models.decoder import CausalLM, token_logprobs
 from compactrl.models.loading import config_summary, load_model
 from compactrl.models.tiny import write_tiny_model
-from compactrl.provenance import cpu_features, cpu_name
 from compactrl.rl.forward import Backend, Segment, reprefill_segments, stream_logprobs
 from compactrl.trace import Trace
-
-
-def machine_info(threads: int, device: str = "cpu") -> dict:
-    return {
-        "cpu": cpu_name(),
-        "cpu_features": cpu_features(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-    }
 
 
 def stream_step(model: CausalLM, trace: Trace, chunk: int, backend: Backend = "chunked") -> int:
@@ -89,16 +74,6 @@ def reprefill_step(model: CausalLM, trace: Trace, max_batch_tokens: int) -> int:
     return fed
 
 
-def timed(fn: Callable[[], int], model: CausalLM) -> tuple[float, int]:
-    model.zero_grad(set_to_none=True)
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    n = fn()
-    sync()
-    return time.perf_counter() - t0, n
-
-
 def bench_strategy(
     model: CausalLM,
     strategy: Strategy,
@@ -122,18 +97,12 @@ def bench_strategy(
         "reprefill": lambda: reprefill_step(model, trace, max_batch_tokens),
         "stream_2n": lambda: stream_step(model, trace2, chunk, backend),
     }
-    times: dict[str, list[float]] = defaultdict(list)
-    tokens: dict[str, int] = {}
-    # Round 0 is one untimed run of every arm (allocator, first-call overheads, flex compiles: each
-    # arm has shapes of its own), so no timed run starts cold; then the arms take turns in every
-    # round (A B C, A B C, ...), so machine drift hits them alike.
-    for rnd in range(repeats + 1):
-        for name, fn in runs.items():
-            t, tokens[name] = timed(fn, model)
-            if rnd:
-                times[name].append(t)
-            advance()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    # a warm-up round (flex compiles: each arm has shapes of its own), then the arms take turns
+    arms = {k: lambda fn=fn: timed(fn, model) for k, fn in runs.items()}
+    done = interleaved(arms, repeats, advance=advance)
+    times = {k: [t for t, _ in v] for k, v in done.items()}
+    tokens = {k: v[-1][1] for k, v in done.items()}
+    med = medians(times)
     # B is the live context at which compactions actually fire (<= the budget when turns don't tile it)
     N, B = n_tokens, int(trace.live_counts().max())
     r = statistics.mean(kept) if kept else 0.0

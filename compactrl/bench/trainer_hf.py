@@ -15,14 +15,13 @@ say nothing about them).
 
 from __future__ import annotations
 
-import statistics
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from compactrl.bench.trainer import machine_info, timed
+from compactrl.bench.harness import machine_info, medians, timed
 from compactrl.models.config import load_config
 from compactrl.models.loading import config_summary, load_model
 from compactrl.models.lora import PROJECTIONS, LoraSettings, add_lora
@@ -160,7 +159,7 @@ def run_trainer_hf_bench(
             advance()
         for arm, s in total.items():
             runs[arm].append(s)
-    med = {arm: statistics.median(v) for arm, v in runs.items()}
+    med = medians(runs)
     n_tok = sum(len(t) for t in traces)
     return {
         "benchmark": "trainer_hf",

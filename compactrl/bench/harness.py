@@ -1,0 +1,68 @@
+"""What every benchmark shares: the machine it ran on, timing one call, arms that take turns in
+rounds (so drift on a shared machine hits them alike), and the median with its spread."""
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from compactrl.models.decoder import CausalLM
+from compactrl.provenance import cpu_features, cpu_name
+
+R = TypeVar("R")
+
+
+def machine_info(threads: int, device: str = "cpu") -> dict:
+    """The facts a reader needs to weigh a timing: CPU and its features, cores, threads, versions."""
+    return {
+        "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+    }
+
+
+def timed(fn: Callable[[], int], model: CausalLM) -> tuple[float, int]:
+    """Seconds of one ``fn()`` on ``model`` (its gradients cleared first; CUDA synchronised), and
+    what ``fn`` returned (tokens fed)."""
+    model.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    n = fn()
+    sync()
+    return time.perf_counter() - t0, n
+
+
+def interleaved(
+    arms: dict[str, Callable[[], R]],
+    repeats: int,
+    *,
+    warmup: bool = True,
+    alternate: bool = False,
+    advance: Callable[[], None] = lambda: None,
+) -> dict[str, list[R]]:
+    """Every arm once per round, in turn (A B C, A B C, ...; ``alternate``: C B A every other round,
+    so no arm always goes first), ``repeats`` rounds; ``warmup`` runs one untimed round before them
+    (allocator, first-call overheads, compiles), so no kept run starts cold. Returns each arm's
+    results in order; ``advance`` is called after every run (a progress bar)."""
+    out: dict[str, list[R]] = {name: [] for name in arms}
+    for rnd in range(repeats + warmup):
+        order = list(arms)[:: -1 if alternate and (rnd - warmup) % 2 else 1]
+        for name in order:
+            result = arms[name]()
+            if rnd >= warmup:
+                out[name].append(result)
+            advance()
+    return out
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(v) for name, v in times.items()}
