@@ -5,6 +5,7 @@ falls back to a default)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import sys
 import tomllib
@@ -79,6 +80,31 @@ def _variants(annotation: Any) -> dict[str, type[pydantic.BaseModel]]:
     return out
 
 
+def _models_at(model: type[pydantic.BaseModel], loc: list[str]) -> list[type[pydantic.BaseModel]]:
+    """The section model(s) at an error's location (a variant's tag in it picks that variant)."""
+    found = [model]
+    for part in loc:
+        inner = []
+        for m in found:
+            if part in m.model_fields:
+                ann = m.model_fields[part].annotation
+                inner += list(_variants(ann).values()) or [
+                    t
+                    for t in (ann, *typing.get_args(ann))
+                    if isinstance(t, type) and issubclass(t, pydantic.BaseModel)
+                ]
+        tagged = [m for m in found if "name" in m.model_fields and m.model_fields["name"].default == part]
+        found = inner or tagged or found
+    return found
+
+
+def _did_you_mean(model: type[pydantic.BaseModel], loc: list[str]) -> str:
+    """``; did you mean 'x'?`` for an unknown field a known one at that place is close to."""
+    known = {f for m in _models_at(model, loc[:-1]) for f in m.model_fields}
+    close = difflib.get_close_matches(loc[-1], sorted(known), n=1, cutoff=0.6) if loc else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _switch_variants(model: type[pydantic.BaseModel], data: dict, overrides: list[str]) -> list[str]:
     """``--set strategy.name=X`` on a config that set another strategy's fields: drop the fields X
     does not have (they belonged to the old variant) and say which. Returns the notes."""
@@ -129,11 +155,13 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] = 
             msg = err["msg"].removeprefix("Value error, ")
             shown = "input" in err and not isinstance(err["input"], dict)  # not a whole section
             line = f"  {where}: {msg}" + (f" (got {err['input']!r})" if shown else "")
+
             # the --set that put the bad value there (pydantic adds the variant's name to the path)
             source = next((o for k, o in given.items() if k and _covers(k.split("."), loc)), None)
-            lines.append(line + (f", from --set {source}" if source else ""))
+            hint = _did_you_mean(model, loc) if err["type"] == "extra_forbidden" else ""
+            lines.append(line + (f", from --set {source}" if source else "") + hint)
         src = f"{path}" if path else "the built-in defaults"
-        with_sets = " with --set " + " ".join(overrides) if overrides else ""
+        with_sets = " with" + "".join(f" --set {o}" for o in overrides) if overrides else ""
         raise ConfigError(f"{src}{with_sets} is invalid:\n" + "\n".join(lines)) from e
 
 

@@ -60,6 +60,14 @@ def cpu_features() -> list[str]:
     return [name for name, fn in checks.items() if getattr(torch.cpu, fn, lambda: False)()]
 
 
+def provenance_line(p: dict) -> str:
+    """A provenance record in one line: weights, commit, torch, threads, CPU."""
+    weights = ", ".join(f"{k} {v}" for k, v in p["weights"].items())
+    commit = f"{(p['commit'] or 'no git')[:12]}{' (dirty)' if p['dirty'] else ''}"
+    torch_v = p["versions"].get("torch", "?")
+    return f"weights {weights} · commit {commit} · torch {torch_v} · threads {p['threads']} · {p['cpu']}"
+
+
 def provenance(weights: dict[str, str | Path | None]) -> dict:
     """``weights``: a name for each folder the result read (model, adapters) -> its folder."""
     versions = {}

@@ -318,7 +318,7 @@ def verify_run(run_dir: str | Path, model_dir: str | Path | None = None, toleran
     sessions they were. Sampling log-probs equal the model's only without tempering or
     truncation, so the run must have sampled at temperature 1 (or greedily) with top-p 1, top-k 0.
     """
-    import json
+    import pydantic
 
     from compactrl.trace import load_traces
 
@@ -326,20 +326,30 @@ def verify_run(run_dir: str | Path, model_dir: str | Path | None = None, toleran
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: point at the run directory `compactrl rollout` wrote")
-    cfg = json.loads(cfg_path.read_text())
-    r = cfg["rollout"]
-    if r["temperature"] not in (0.0, 1.0) or r["top_p"] < 1 or r["top_k"] > 0:
+    from compactrl.agent.batch import RolloutConfig
+
+    try:
+        cfg = RolloutConfig.model_validate_json(cfg_path.read_text())
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ValueError(
+            f"{cfg_path} is no rollout run's config ({where}: {first['msg']}); "
+            "point at the run directory `compactrl rollout` wrote"
+        ) from e
+    traces = load_traces(run_dir / "traces.jsonl")
+    if not traces:  # as `trace show` says of it
+        raise ValueError(f"{run_dir / 'traces.jsonl'} holds no traces")
+    r = cfg.rollout
+    if r.temperature not in (0.0, 1.0) or r.top_p < 1 or r.top_k > 0:
         raise ValueError(
             "the run sampled with temperature/top-p/top-k truncation, so its log-probs are not the model's; "
             "verify runs made with temperature 1 (or 0), top_p 1 and top_k 0"
         )
-    folder = Path(model_dir) if model_dir else Path(cfg["model"]["path"] or run_dir / "model")
-    model = load_model(folder, dtype=cfg["model"]["dtype"])
-    if cfg["strategy"].get("thread_adapter"):  # SideQuest's thread adapter: on the forks' own tokens
-        load_thread_adapter(model, cfg["strategy"]["thread_adapter"])
-    traces = load_traces(run_dir / "traces.jsonl")
-    if not traces:
-        raise ValueError(f"{run_dir / 'traces.jsonl'} holds no traces")
+    folder = Path(model_dir) if model_dir else Path(cfg.model.path or run_dir / "model")
+    model = load_model(folder, dtype=cfg.model.dtype)
+    if thread_adapter := getattr(cfg.strategy, "thread_adapter", None):  # on the forks' own tokens
+        load_thread_adapter(model, thread_adapter)
     worst, sampled, evicted = 0.0, 0, 0
     with torch.no_grad():
         for t in traces:
@@ -351,7 +361,7 @@ def verify_run(run_dir: str | Path, model_dir: str | Path | None = None, toleran
             evicted += t.num_evicted
     return {
         "run_dir": str(run_dir),
-        "mode": cfg["mode"],
+        "mode": cfg.mode,
         "traces": len(traces),
         "sampled_tokens": sampled,
         "evicted_tokens": evicted,

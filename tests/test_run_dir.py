@@ -14,7 +14,7 @@ from compactrl.config import load_config
 from compactrl.rl.checkpoint import CheckpointError, CheckpointWriteError, check_checkpoint, latest_checkpoint
 from compactrl.rl.evaluate import evaluate
 from compactrl.rl.loop import Interrupted, TrainConfig, train
-from compactrl.rl.run_dir import RunDirError
+from compactrl.run_dir import RunDirError
 
 SMALL = ["prompts=2", "group_size=2", "checkpoint_every=1"]
 
@@ -88,7 +88,7 @@ def test_a_corrupt_newest_checkpoint_is_named_and_skipped(tmp_path, capsys):
     capsys.readouterr()
     train(config(run, "steps=3"), resume=True)
     err = capsys.readouterr().err
-    assert "skipping a checkpoint" in err and "resuming from" in err and "step_00000002 (step 2)" in err
+    assert "skipping a checkpoint" in err and "resuming from step 2 of 3 (" in err and "step_00000002)" in err
     assert steps_logged(run) == [1, 2, 3]  # step 3 trained again from step 2's checkpoint
     check_checkpoint(newest)  # and written whole this time
     result = evaluate(config(run, "steps=3"), run / "checkpoints", episodes=2)  # `checkpoints/` also resolves

@@ -34,6 +34,7 @@ from compactrl.models.loading import DTYPES
 from compactrl.models.lora import load_thread_adapter
 from compactrl.models.tokenizer import Tokenizer
 from compactrl.provenance import provenance
+from compactrl.run_dir import open_run_dir
 from compactrl.stats import mean_ci
 from compactrl.trace import save_traces
 
@@ -263,10 +264,12 @@ def _deletion_quality(results: list[EpisodeResult]) -> dict:
     }
 
 
-def rollout(cfg: RolloutConfig, progress=None) -> dict:
-    """Run the config's episodes and write the run directory; returns the summary."""
+def rollout(cfg: RolloutConfig, progress=None, overwrite: bool = False) -> dict:
+    """Run the config's episodes and write the run directory; returns the summary. A folder that
+    already holds a run is refused unless ``overwrite`` (its contents are replaced)."""
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out)
+    open_run_dir(run_dir, cfg, False, overwrite, [cfg.model.path] if cfg.model.path else [], "rollout")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     engine = load_engine(cfg.model, cfg.engine, run_dir)

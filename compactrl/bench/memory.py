@@ -127,7 +127,7 @@ def _run(cfg: RolloutConfig, progress=None) -> tuple[dict, list[dict]]:
     out = Path(cfg.out)
     done = out / "summary.json"
     if not (done.exists() and _same_config(out / "config.json", cfg)):
-        rollout(cfg, progress)
+        rollout(cfg, progress, overwrite=True)  # a row measured under another config is replaced
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     return json.loads(done.read_text()), episodes
 

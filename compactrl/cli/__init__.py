@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+from typing import Annotated
+
 import typer
 
 from compactrl.cli import bench, config, models, run, serve, trace, verify
 from compactrl.cli.common import PLAIN
 
 app = typer.Typer(add_completion=False, help=__doc__, **PLAIN)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"compactrl {version('compactrl')}")
+        raise typer.Exit()
+
+
+Version = Annotated[
+    bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version, exit.")
+]
+
+
+@app.callback()
+def _options(_: Version = False) -> None:
+    pass
+
+
 for name, command in (  # the order `compactrl --help` lists them in
     ("rollout", run.rollout_cmd),
     ("train", run.train_cmd),

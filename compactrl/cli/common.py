@@ -39,6 +39,21 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def stopped(message: str) -> None:
+    """A run the user stopped (Ctrl-C): what happened and what to type next, exit 130, no ``error:``."""
+    err.print(message, highlight=False, soft_wrap=True)
+    raise typer.Exit(130)
+
+
+def command_line(command: str, config: Path | None, overrides: list[str] | None, *flags: str) -> str:
+    """The command that runs this config again, every ``--set`` shown, quoted for a shell."""
+    import shlex
+
+    words = ["compactrl", command, *([str(config)] if config else [])]
+    words += [w for o in overrides or [] for w in ("--set", o)]
+    return shlex.join([*words, *flags])
+
+
 @contextmanager
 def progress_bar(label: str):
     """Yields ``progress(total) -> advance(info=None)`` for the library's long loops (stderr, tty
@@ -91,12 +106,32 @@ def emit_json(data: dict, path: Path | None = None) -> None:
 
 
 def load_run_config(model, path: Path | None, overrides: list[str] | None):
+    """The config, or a one-line error; a config of another command's kind says which command runs it."""
+    from compactrl.agent.batch import RolloutConfig
     from compactrl.config import ConfigError, load_config
+    from compactrl.rl.config import TrainConfig
 
     try:
         return load_config(model, path, overrides or [])
     except ConfigError as e:
+        for kind, other in {"rollout": RolloutConfig, "train": TrainConfig}.items():
+            if other is not model and path is not None and _validates(other, path, overrides):
+                fail(f"{path} is a {kind} config: run it with compactrl {kind}")
         fail(str(e))
+
+
+def _validates(model, path: Path, overrides: list[str] | None) -> bool:
+    from contextlib import redirect_stderr
+    from io import StringIO
+
+    from compactrl.config import ConfigError, load_config
+
+    try:
+        with redirect_stderr(StringIO()):  # its notes belong to a load that is not the one asked for
+            load_config(model, path, overrides or [])
+    except ConfigError:
+        return False
+    return True
 
 
 def save_result(

@@ -12,18 +12,25 @@ from rich.table import Table
 from compactrl.cli.common import (
     JsonFlag,
     SetOption,
+    command_line,
     emit_json,
     fail,
     load_run_config,
     os_error,
     out,
     progress_bar,
+    stopped,
 )
+
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="Delete what `out` holds and start a new run there.")
+]
 
 
 def rollout_cmd(
     config: Annotated[Path | None, typer.Argument(help="TOML config (default: built-in defaults).")] = None,
     overrides: SetOption = None,
+    overwrite: Overwrite = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Run episodes through the engine with a compaction strategy; write traces and metrics."""
@@ -32,7 +39,12 @@ def rollout_cmd(
     cfg = load_run_config(RolloutConfig, config, overrides)
     try:
         with progress_bar("episodes") as progress:
-            summary = rollout(cfg, progress)
+            summary = rollout(cfg, progress, overwrite=overwrite)
+    except KeyboardInterrupt:
+        again = command_line("rollout", config, overrides)
+        stopped(f"stopped before the episodes were saved; run them again with: {again}")
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        fail(str(e))
     except OSError as e:
         fail(os_error(e))
     if as_json:
@@ -41,19 +53,52 @@ def rollout_cmd(
         print_rollout(summary)
 
 
+# what each number of a rollout's summary counts (the rest: totals over the episodes)
+_UNITS = {"episodes": "episodes", "errors": "episodes", "truncated": "episodes",
+          "at_position_limit": "episodes", "longest_stream": "tokens, largest",
+          "peak_live_kv": "KV entries, largest",
+          "mean_reward": "mean, 95% CI", "accuracy": "share, 95% CI", "mean_turns": "per episode",
+          "mean_peak_live_kv": "KV entries, mean", "mean_peak_kv_with_threads": "KV entries, mean",
+          "deletion_precision": "share", "deletion_recall": "share", "wall_s": "seconds",
+          "position_limit": "tokens", "episodes_per_s": "per second", "generated_tokens_per_s": "per second",
+          "peak_pool_kv_tokens": "KV entries, largest"}  # fmt: skip
+_AUX = {"aux_calls", "deleted_cursors", "aux_offered_cursors", "aux_parse_failures", "aux_no_room",
+        "aux_unknown_cursors", "aux_unseen_cursors", "aux_unfinished", "aux_tokens", "aux_kv_reads",
+        "aux_kept_unread", "deletion_precision", "deletion_recall"}  # fmt: skip
+
+
 def print_rollout(summary: dict) -> None:
-    table = Table(box=box.SIMPLE, title=f"{summary['env']} / {summary['strategy']} / {summary['mode']}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    skip = {"env", "strategy", "mode", "non_completion"}
+    """The summary as a table whose every row says what it counts; provenance in one line."""
+    from compactrl.provenance import provenance_line
+
+    title = " / ".join(summary[k] for k in ("env", "strategy", "mode"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, title=title)
+    for column in ("metric", "value", "unit"):
+        table.add_column(column, justify="right" if column == "value" else "left")
+    skip = {
+        "env",
+        "strategy",
+        "mode",
+        "non_completion",
+        "run_dir",
+        "provenance",
+        "mean_reward_ci",
+        "accuracy_ci",
+    }
     if not summary["aux_calls"]:  # SideQuest's counters only when an auxiliary thread ran
-        skip |= {"aux_calls", "deleted_cursors", "aux_parse_failures", "aux_unknown_cursors",
-                 "aux_unfinished", "aux_tokens"}  # fmt: skip
-    rows = {k: v for k, v in summary.items() if k not in skip}
-    rows |= {f"non_completion.{c}": rate for c, rate in summary["non_completion"].items()}
-    for k, v in rows.items():
-        table.add_row(k, f"{v:.3g}" if isinstance(v, float) else str(v))
+        skip |= _AUX
+    for k, v in summary.items():
+        if k in skip:
+            continue
+        shown = "-" if v is None else f"{v:.4g}" if isinstance(v, float) and abs(v) < 1e4 else f"{v:.0f}"
+        if (ci := summary.get(f"{k}_ci")) is not None:
+            shown += f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+        table.add_row(k, shown, _UNITS.get(k, "total"))
+    for cause, rate in summary["non_completion"].items():
+        table.add_row(f"non_completion.{cause}", f"{rate:.3g}", "share of episodes")
     out.print(table)
+    out.print(f"run directory: {summary['run_dir']}", highlight=False)
+    out.print(f"provenance: {provenance_line(summary['provenance'])}", highlight=False, soft_wrap=True)
 
 
 def train_cmd(
@@ -62,9 +107,7 @@ def train_cmd(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run in `out` from its newest checkpoint.")
     ] = False,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Delete what `out` holds and start a new run there.")
-    ] = False,
+    overwrite: Overwrite = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Train a policy on multi-turn episodes with compaction (sample -> train -> repeat)."""
@@ -72,8 +115,12 @@ def train_cmd(
     from compactrl.rl.config import TrainConfig
     from compactrl.rl.loop import Interrupted
     from compactrl.rl.trainer import DataParallelError
+    from compactrl.run_dir import saved_steps
 
     cfg = load_run_config(TrainConfig, config, overrides)
+    if resume and not any(o.partition("=")[0].strip() == "steps" for o in overrides or []):
+        cfg = cfg.model_copy(update={"steps": saved_steps(Path(cfg.out), cfg.steps)})  # the run's own
+    again = command_line("train", config, overrides, "--resume")
 
     def show(m: dict) -> None:
         if as_json:
@@ -94,14 +141,11 @@ def train_cmd(
         with progress_bar("train") as progress:
             last = launch(cfg, resume=resume, overwrite=overwrite, progress=progress, on_step=show)
     except Interrupted as e:
-        fail(str(e), code=130)
+        stopped(f"stopped after step {e.step}, saved {e.checkpoint}; continue with: {again}")
     except DataParallelError as e:  # a rank failed: no rank stepped; the message says how to resume
         fail(str(e))
     except KeyboardInterrupt:
-        fail(
-            f"stopped without saving this step; --resume continues from the newest checkpoint in {cfg.out}",
-            130,
-        )
+        stopped(f"stopped without saving this step; continue from its newest checkpoint: {again}")
     except (FileNotFoundError, ImportError, ValueError) as e:
         fail(str(e))
     except OSError as e:
@@ -187,7 +231,8 @@ def cost_cmd(
     if as_json:
         emit_json({"rows": rows, "plot": figure})
         return
-    table = Table(box=box.SIMPLE, title=f"re-prefill compaction over N = {n} tokens (stream: 0 extra)")
+    title = f"re-prefill compaction over N = {n} tokens (stream: 0 extra)"
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title=title)
     for col in ("B", "r", "extra prefill tokens", "extra / N"):
         table.add_column(col, justify="right")
     for row in rows:

@@ -33,6 +33,8 @@ def trace_show(
 
     try:
         traces = load_traces(file)
+        if not traces:  # as `verify run` says of it
+            raise TraceError(f"{file} holds no traces")
         tok = Tokenizer.from_dir(tokenizer) if tokenizer else None
         if tok is not None:
             for t in traces:

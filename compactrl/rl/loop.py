@@ -37,9 +37,9 @@ from compactrl.rl.critic import ValueHead
 from compactrl.rl.evaluate import record_eval
 from compactrl.rl.monitor import Monitor, check_log_settings, note
 from compactrl.rl.objectives import SFT, Objective, Run
-from compactrl.rl.run_dir import RunDirError, open_run_dir
 from compactrl.rl.sampler import BackgroundSampler
 from compactrl.rl.trainer import Trainer
+from compactrl.run_dir import RunDirError, open_run_dir
 
 
 class Placement:
@@ -116,9 +116,7 @@ def _resume_point(run_dir: Path, model, trainer: Trainer, modules: dict) -> dict
         note(f"no complete checkpoint in {run_dir / 'checkpoints'}: the run starts again from step 0")
         return {"step": 0, "state": {}}
     loaded = load_checkpoint(ckpt, model, trainer.optimizer, modules, checked=True)  # latest_checkpoint did
-    if skipped:
-        note(f"resuming from {ckpt} (step {loaded['step']})")
-    return loaded
+    return loaded | {"checkpoint": ckpt}
 
 
 def train(
@@ -179,6 +177,8 @@ def train(
         )
     if resume and start == cfg.steps:
         note(f"the run is already at step {start} = steps; --set steps=N (N > {start}) extends it")
+    elif start:
+        note(f"resuming from step {start} of {cfg.steps} ({loaded['checkpoint']})")
     monitor = Monitor(run_dir, cfg.log, start, json.loads(cfg.model_dump_json()))
     advance = progress(cfg.steps - start) if progress else (lambda info=None: None)
     summary_path = run_dir / "summary.json"

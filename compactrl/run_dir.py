@@ -1,9 +1,10 @@
-"""A training run's folder: one run per folder, and the config changes a resume may make.
+"""A run's folder: one run per folder, and the config changes a resume may make.
 
-``compactrl train`` into a folder that already holds something is refused unless the user says
-``--resume`` (continue the run there) or ``--overwrite`` (delete it and start over), so two runs
-never mix their metrics and checkpoints. A resumed run must use the config it was started with,
-except for :data:`SAFE_ON_RESUME`, which do not change what steps already taken mean.
+``compactrl train`` or ``rollout`` into a folder that already holds a run is refused unless the user
+says ``--resume`` (train: continue the run there) or ``--overwrite`` (delete it and start over), so
+two runs never mix their metrics, traces and checkpoints; what a start that failed before its first
+step left is no run, and the corrected command starts there. A resumed run must use the config it
+was started with, except for :data:`SAFE_ON_RESUME`, which do not change what steps already taken mean.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
@@ -48,9 +49,42 @@ def _show(v: Any) -> str:
     return "(unset)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) else json.dumps(v)
 
 
-def open_run_dir(run_dir: Path, cfg: BaseModel, resume: bool, overwrite: bool, keep: list[Path] = ()) -> None:
-    """Check ``run_dir`` for a new run or a resume before any heavy work; with ``overwrite`` empty it.
-    ``keep`` are paths the run reads (its model) that overwriting must not delete."""
+# What a start writes before its first step: a folder holding only these (no step logged, no
+# complete checkpoint) is what a start that failed left, and the corrected command may reuse it.
+STARTED = {"config.json", "provenance.jsonl", "model", "reference", "metrics.jsonl", "tensorboard",
+           "wandb_id", "checkpoints"}  # fmt: skip
+
+
+def _progress(run_dir: Path) -> bool:
+    """Whether the folder holds work: anything a start does not write, a logged step, or a checkpoint."""
+    names = {p.name for p in run_dir.iterdir()}
+    metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    return bool(
+        names - STARTED
+        or (metrics.is_file() and metrics.stat().st_size > 0)
+        or (ckpts.is_dir() and any(ckpts.glob("step_*")))
+    )
+
+
+def saved_steps(run_dir: Path, default: int) -> int:
+    """The ``steps`` the run in ``run_dir`` was started (or last extended) with; ``default`` if none."""
+    try:
+        return int(json.loads((run_dir / "config.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+def open_run_dir(
+    run_dir: Path,
+    cfg: BaseModel,
+    resume: bool,
+    overwrite: bool,
+    keep: list[Path] = (),
+    command: Literal["train", "rollout"] = "train",
+) -> None:
+    """Check ``run_dir`` for a new run or a resume before any heavy work; with ``overwrite`` empty it,
+    and likewise the leftovers of a start that never reached its first step (:data:`STARTED`).
+    ``keep`` are paths the run reads (its model) that emptying the folder must not delete."""
     if resume and overwrite:
         raise RunDirError("--resume continues the run in the folder, --overwrite deletes it: pass one")
     used = run_dir.is_dir() and any(run_dir.iterdir())
@@ -78,13 +112,15 @@ def open_run_dir(run_dir: Path, cfg: BaseModel, resume: bool, overwrite: bool, k
         return
     if not used:
         return
-    if not overwrite:
+    if not overwrite and _progress(run_dir):
         held = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir())[:5])
+        again = "continue it with --resume, " if command == "train" else ""
         raise RunDirError(
-            f"{run_dir} already holds a run ({held}); continue it with --resume, delete it and start "
-            f"over with --overwrite, or train into another folder (--set out=DIR)"
+            f"{run_dir} already holds a run ({held}); {again}delete it and start over with --overwrite, "
+            f"or write into another folder (--set out=DIR)"
         )
     for k in keep:
         if Path(k).resolve().is_relative_to(run_dir.resolve()):
-            raise RunDirError(f"--overwrite would delete {k}, which this run loads: move it out of {run_dir}")
+            what = "--overwrite" if overwrite else f"starting again in {run_dir}"
+            raise RunDirError(f"{what} would delete {k}, which this run loads: move it out of {run_dir}")
     shutil.rmtree(run_dir)
