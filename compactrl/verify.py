@@ -198,7 +198,7 @@ def _random_rollouts(engine, n_sessions: int, seed: int, vocab: int) -> list:
 # trainer, and every bfloat16 activation rounds to ~3 significant digits, so the two forwards agree
 # only up to that rounding, which grows with depth. The gate is on the mean KL per sampled token
 # (max |logprob diff| is reported; a few tokens near a rounding boundary dominate it): 1e-2 nats
-# is ~6x what SmolLM2-135M (30 layers) measures and ~500x the tiny model (README, "Engine vs
+# is ~6x what SmolLM2-135M (30 layers) measures and ~500x the tiny model (docs/benchmarks.md, "Engine vs
 # trainer"), while a wrong mask or stale K/V moves log-probs by nats (the re-prefill control).
 ENGINE_TOLERANCE = 5e-5  # float32 and float64 (the engine samples from float32 logits either way)
 ENGINE_KL_TOLERANCE_LOW_PRECISION = 1e-2

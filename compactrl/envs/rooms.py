@@ -28,7 +28,7 @@ FILLER = (
 ).split(", ")
 _ANSWER = re.compile(r"Code:\s*([A-Za-z]+)", re.IGNORECASE)
 _REMEMBERED = re.compile(r"Room (\d+): (?:[^\n]*?code word here is )?([a-z]+)")  # a room, or a summary of one
-# No system message by default: `bench modes` (README numbers) and configs/train/rooms_window.toml
+# No system message by default: `bench modes` (docs/benchmarks.md numbers) and configs/train/rooms_window.toml
 # (a tiny model trained from scratch) run these exact streams. For an instruct model, e.g. this:
 SUGGESTED_SYSTEM = (
     "You walk through rooms. In each room, reply with only the word next. When asked for a code "
