@@ -128,6 +128,21 @@ def _switch_variants(model: type[pydantic.BaseModel], data: dict, overrides: lis
     return notes
 
 
+def made_by(path: str | Path, configs: Path = Path("configs")) -> str | None:
+    """The command that makes ``path``: the config under ``configs`` whose run folder (``out``, the
+    deepest that holds it) it lies in, so that a missing model names the run to start first."""
+    found = []
+    for cfg in sorted(configs.rglob("*.toml")):
+        try:
+            data = tomllib.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        out = data.get("out")
+        if isinstance(out, str) and Path(path) != Path(out) and Path(path).is_relative_to(out):
+            found.append((len(Path(out).parts), "study" if "run" in data else "train", cfg.as_posix()))
+    return f"compactrl {max(found)[1]} {max(found)[2]}" if found else None
+
+
 def read_toml(path: str | Path) -> dict:
     """A config file's TOML; a missing file or bad TOML is a ConfigError naming the file."""
     p = Path(path)

@@ -3,6 +3,7 @@ misspelt keys, Ctrl-C, empty trace files, the version."""
 
 import json
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -116,3 +117,18 @@ def test_trace_show_and_verify_run_agree_on_an_empty_file(tmp_path):
 def test_version():
     r = runner.invoke(app, ["--version"])
     assert r.exit_code == 0 and r.output.strip() == f"compactrl {version('compactrl')}"
+
+
+def test_a_missing_model_names_the_config_that_makes_it(tmp_path, monkeypatch):
+    rooms = str(Path("configs/rollout/rooms.toml").resolve())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs" / "sft").mkdir(parents=True)
+    (tmp_path / "configs" / "sft" / "base.toml").write_text('out = "runs/sft"\n')
+    (tmp_path / "configs" / "sft" / "grid.toml").write_text('out = "runs"\n[[run]]\nname = "x"\n')
+    args = ["rollout", rooms, "--set", "model.path=runs/sft/checkpoints/step_00000004/model"]
+    made = runner.invoke(app, args)
+    assert made.exit_code == 2  # the deepest run folder that holds it, not the grid's
+    assert "it is made by `compactrl train configs/sft/base.toml`" in " ".join(made.output.split())
+    elsewhere = runner.invoke(app, ["rollout", rooms, "--set", "model.path=models/nothing"])
+    assert elsewhere.exit_code == 2 and "made by" not in elsewhere.output
+    assert "import-gguf" in elsewhere.output

@@ -27,6 +27,7 @@ from compactrl.agent.rollout import NON_COMPLETION, Episode, EpisodeResult, Roll
 from compactrl.agent.served import run_agent_episodes
 from compactrl.compaction import SlidingWindow, StrategyConfig, build_strategy
 from compactrl.compaction.evictors import EvictorConfig, check_mode
+from compactrl.config import made_by
 from compactrl.engine import Engine, EngineConfig
 from compactrl.envs import ENV_FIELD, EnvConfig, RoomsConfig, make_env
 from compactrl.envs.agent import AgentEnv
@@ -69,6 +70,8 @@ class ModelSource(BaseModel):
             return None
         v = str(Path(v).expanduser())  # validated and loaded as the same folder
         if not (Path(v) / "config.json").is_file():
+            if maker := made_by(v):
+                raise ValueError(f"{v} does not exist yet: it is made by `{maker}`; run that first")
             raise ValueError(
                 f"{v} has no config.json; point at a Hugging Face model folder (import a GGUF one with "
                 "`compactrl import-gguf FILE DIR`; SmolLM2: `compactrl import-gguf --smollm2 DIR`), "
