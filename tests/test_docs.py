@@ -127,3 +127,19 @@ def test_the_site_builds_strict(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "site" / "cli_reference" / "index.html").read_text().count("compactrl train") >= 2
+
+
+def test_every_result_table_is_what_its_json_renders(tmp_path):
+    """A page's marked tables equal their JSON's rendering; a number edited by hand is caught."""
+    from compactrl.docs_tables import BLOCK, sync
+
+    pages = [p for p in sorted((ROOT / "docs").glob("*.md")) if BLOCK.search(p.read_text())]
+    assert len(pages) >= 2
+    for page in pages:
+        assert sync(page, ROOT) == [], f"{page.name}: run python scripts/docs_tables.py"
+    edited = tmp_path / "page.md"
+    text = (ROOT / "docs" / "sidequest_replicate.md").read_text()
+    edited.write_text(text.replace("| a-full | 0.23", "| a-full | 0.25", 1))
+    assert len(sync(edited, ROOT)) == 1  # the four-hop block, not the two-hop one
+    sync(edited, ROOT, write=True)
+    assert edited.read_text() == text
