@@ -7,7 +7,8 @@ page and its data cannot drift: a page marks a table with
 
 and `python scripts/docs_tables.py` rewrites every marked block from its JSON (a test fails when a
 page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory`
-result, with the pooled or contrasted table its bench config asks for)."""
+result, with the pooled or contrasted table its bench config asks for), ``scale``, ``serve`` and
+``serve_episodes`` (those benches' own markdown)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,23 @@ def _memory(result: str, bench: str | None = None) -> str:
     return "\n\n".join(p.strip() for p in parts)
 
 
-RENDERERS = {"memory": _memory}
+def _of(module: str):
+    """A bench whose module renders its result as markdown (``markdown(result)``)."""
+
+    def render(result: str) -> str:
+        from importlib import import_module
+
+        return import_module(f"compactrl.bench.{module}").markdown(json.loads(Path(result).read_text()))
+
+    return render
+
+
+RENDERERS = {
+    "memory": _memory,
+    "scale": _of("scale"),
+    "serve": _of("serve"),
+    "serve_episodes": _of("serve_episodes"),
+}
 
 
 def render(spec: str, root: Path = Path(".")) -> str:
