@@ -7,8 +7,9 @@ page and its data cannot drift: a page marks a table with
 
 and `python scripts/docs_tables.py` rewrites every marked block from its JSON (a test fails when a
 page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory`
-result, with the pooled or contrasted table its bench config asks for), ``scale``, ``serve`` and
-``serve_episodes`` (those benches' own markdown)."""
+result, with the pooled or contrasted table its bench config asks for), ``engine`` (`compactrl bench
+engine` against transformers and vLLM), ``scale``, ``serve`` and ``serve_episodes`` (those
+benches' own markdown)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ def _memory(result: str, bench: str | None = None) -> str:
     return "\n\n".join(p.strip() for p in parts)
 
 
+def _engine(result: str) -> str:
+    """`compactrl bench engine` against transformers and vLLM: tokens/s and the ratios, per setting."""
+    r = json.loads(Path(result).read_text())
+    lines = ["| batch | context | decode: ours tok/s | / transformers | / vLLM | prefill: ours tok/s "
+             "| / transformers | / vLLM |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in r["settings"]:
+        dec, pre = s["decode_tokens_per_s"], s["prefill_tokens_per_s"]
+        ratios = [dec / s["transformers_decode_tokens_per_s"], dec / s["vllm_decode_tokens_per_s"]]
+        ratios += [pre / s["transformers_prefill_tokens_per_s"], pre / s["vllm_prefill_tokens_per_s"]]
+        cells = [s["batch"], s["context"], f"{dec:.1f}", *(f"{x:.2f}" for x in ratios[:2]), f"{pre:.0f}",
+                 *(f"{x:.2f}" for x in ratios[2:])]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def _of(module: str):
     """A bench whose module renders its result as markdown (``markdown(result)``)."""
 
@@ -46,6 +62,7 @@ def _of(module: str):
 
 RENDERERS = {
     "memory": _memory,
+    "engine": _engine,
     "scale": _of("scale"),
     "serve": _of("serve"),
     "serve_episodes": _of("serve_episodes"),
