@@ -154,6 +154,7 @@ def test_every_result_table_is_what_its_json_renders(tmp_path):
 
 def test_the_site_home_shows_the_readmes_results():
     """docs/index.md repeats the README's results table (links relative to docs/): one set of numbers."""
-    results = README[README.index("## Results") : README.index("## Where to go next")].replace("](docs/", "](")
+    results = README[README.index("## Results") : README.index("## Where to go next")]
+    results = results.replace("](docs/", "](")
     home = (ROOT / "docs" / "index.md").read_text()
     assert results.strip() in home and "## Results" in results
