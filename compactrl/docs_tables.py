@@ -1,15 +1,17 @@
 """The documentation's result tables, rendered from the JSON the benches and studies wrote, so a
 page and its data cannot drift: a page marks a table with
 
-    <!-- table: memory docs/bench_x.json configs/bench/x.toml -->
+    <!-- table: memory docs/bench_x.json configs/bench/x.toml [rows=a,b] -->
     ...the rendered table...
     <!-- end table -->
 
 and `python scripts/docs_tables.py` rewrites every marked block from its JSON (a test fails when a
 page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory`
-result, with the pooled or contrasted table its bench config asks for), ``engine`` (`compactrl bench
-engine` against transformers and vLLM), ``scale``, ``serve`` and ``serve_episodes`` (those
-benches' own markdown)."""
+result, with the pooled or contrasted table its bench config asks for), ``throughput`` (its rows
+served under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
+``evictors``, ``modes``, ``trainer``, ``scale``, ``serve``, ``serve_episodes`` (those benches'
+own tables), ``study`` and ``study_modes`` (a `compactrl study` result; its re-prefill / stream
+time ratios)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,18 @@ from pathlib import Path
 BLOCK = re.compile(r"(<!-- table: (.+?) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
-def _memory(result: str, bench: str | None = None) -> str:
+def _memory(result: str, bench: str | None = None, rows: str | None = None) -> str:
+    """``rows=a,b,c``: only those rows, in that order (the first is the reference of the ratios of
+    rows without a paired baseline)."""
     from compactrl.bench.memory import contrasted, load_bench, markdown, pooled, pooled_markdown
 
     table = json.loads(Path(result).read_text())
+    if rows is not None:
+        by_name = {r["row"]: r for r in table}
+        missing = [n for n in rows.split(",") if n not in by_name]
+        if missing:
+            raise ValueError(f"{result} has no rows {missing}")
+        table = [by_name[n] for n in rows.split(",")]
     parts = [markdown(table)]
     if bench is not None:
         b = load_bench(bench)
@@ -35,27 +45,51 @@ def _memory(result: str, bench: str | None = None) -> str:
 
 
 def _engine(result: str) -> str:
-    """`compactrl bench engine` against transformers and vLLM: tokens/s and the ratios, per setting."""
-    r = json.loads(Path(result).read_text())
-    lines = ["| batch | context | decode: ours tok/s | / transformers | / vLLM | prefill: ours tok/s "
-             "| / transformers | / vLLM |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for s in r["settings"]:
+    """`compactrl bench engine` against transformers (and vLLM where it ran): tokens/s and the
+    ratios, per setting."""
+    from compactrl.bench.harness import markdown_table
+
+    settings = json.loads(Path(result).read_text())["settings"]
+    others = ["transformers", *(["vllm"] * all("vllm_decode_tokens_per_s" in s for s in settings))]
+    names = {"transformers": "transformers", "vllm": "vLLM"}
+    columns = ["batch", "context", "decode: ours tok/s", *(f"/ {names[o]}" for o in others),
+               "prefill: ours tok/s", *(f"/ {names[o]}" for o in others)]  # fmt: skip
+    rows = []
+    for s in settings:
         dec, pre = s["decode_tokens_per_s"], s["prefill_tokens_per_s"]
-        ratios = [dec / s["transformers_decode_tokens_per_s"], dec / s["vllm_decode_tokens_per_s"]]
-        ratios += [pre / s["transformers_prefill_tokens_per_s"], pre / s["vllm_prefill_tokens_per_s"]]
-        cells = [s["batch"], s["context"], f"{dec:.1f}", *(f"{x:.2f}" for x in ratios[:2]), f"{pre:.0f}",
-                 *(f"{x:.2f}" for x in ratios[2:])]  # fmt: skip
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+        rows.append([s["batch"], s["context"], f"{dec:.1f}",
+                     *(f"{dec / s[f'{o}_decode_tokens_per_s']:.2f}" for o in others), f"{pre:.0f}",
+                     *(f"{pre / s[f'{o}_prefill_tokens_per_s']:.2f}" for o in others)])  # fmt: skip
+    return markdown_table(columns, rows)
 
 
-def _of(module: str):
-    """A bench whose module renders its result as markdown (``markdown(result)``)."""
+def _throughput(result: str) -> str:
+    """`compactrl bench memory` rows served under one KV pool: episodes per second against the
+    first row of the same concurrency, with the pool's preemptions and the threads' own tokens."""
+    from compactrl.bench.memory import accuracy
+
+    from compactrl.bench.harness import markdown_table
+
+    base, rows = {}, []
+    for r in json.loads(Path(result).read_text()):
+        first = base.setdefault(r["concurrency"], r)
+        ratio = r["episodes_per_s"] / first["episodes_per_s"]
+        rows.append([r["row"], accuracy(r), r["concurrency"], f"{r['episodes_per_s']:.3f}", f"{ratio:.2f}x",
+                     f"{r['wall_s']:.0f}", r["preemptions"], r.get("aux_tokens", 0),
+                     f"{r['mean_peak_live_kv']:.0f}"])  # fmt: skip
+    columns = ["row", "accuracy [95% CI]", "concurrency", "episodes/s", "vs full context", "wall s",
+               "preemptions", "auxiliary tokens", "mean peak live KV"]  # fmt: skip
+    return markdown_table(columns, rows)
+
+
+def _of(module: str, function: str = "markdown"):
+    """A module that renders its result as markdown (``markdown(result)``)."""
 
     def render(result: str) -> str:
         from importlib import import_module
 
-        return import_module(f"compactrl.bench.{module}").markdown(json.loads(Path(result).read_text()))
+        to_markdown = getattr(import_module(f"compactrl.{module}"), function)
+        return to_markdown(json.loads(Path(result).read_text()))
 
     return render
 
@@ -63,9 +97,15 @@ def _of(module: str):
 RENDERERS = {
     "memory": _memory,
     "engine": _engine,
-    "scale": _of("scale"),
-    "serve": _of("serve"),
-    "serve_episodes": _of("serve_episodes"),
+    "throughput": _throughput,
+    "scale": _of("bench.scale"),
+    "serve": _of("bench.serve"),
+    "serve_episodes": _of("bench.serve_episodes"),
+    "evictors": _of("bench.evictors"),
+    "modes": _of("bench.modes"),
+    "trainer": _of("bench.trainer"),
+    "study": _of("study"),
+    "study_modes": _of("study", "modes_markdown"),
 }
 
 
@@ -74,7 +114,9 @@ def render(spec: str, root: Path = Path(".")) -> str:
     name, *args = spec.split()
     if name not in RENDERERS:
         raise ValueError(f"unknown table renderer {name!r}; one of {sorted(RENDERERS)}")
-    return RENDERERS[name](*(str(root / a) for a in args)).strip() + "\n"
+    options = dict(a.split("=", 1) for a in args if "=" in a)
+    paths = [str(root / a) for a in args if "=" not in a]
+    return RENDERERS[name](*paths, **options).strip() + "\n"
 
 
 def sync(page: Path, root: Path = Path("."), write: bool = False) -> list[str]:

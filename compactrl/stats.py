@@ -141,3 +141,13 @@ def fmt_ci(value: float, ci: Sequence[float] | None, signed: bool = False) -> st
     """``0.38 [0.29, 0.48]`` (``+`` signs for a difference); the bare value without an interval."""
     f = "{:+.2f}" if signed else "{:.2f}"
     return f.format(value) + (f" [{f.format(ci[0])}, {f.format(ci[1])}]" if ci else "")
+
+
+def fmt_paired(d: dict | None, name: str) -> str:
+    """A row's comparison fields (``compare``) as ``+0.04 [+0.01, +0.07] (p 0.005): NAME better``;
+    ``-`` where the row has none."""
+    if not d or not d.get("paired_diff_ci"):
+        return "-"
+    ci, p = d["paired_diff_ci"], d["mcnemar_p"]
+    said = fmt_ci(d["paired_diff"], ci, True) + ("" if p is None else f" (p {p:.2g})")
+    return f"{said}: {verdict(ci, name, d['compared_to'].split(' / ')[0], p)}"

@@ -317,3 +317,71 @@ def run_study(path: str | Path, only: list[str] | None = None, echo=print) -> li
     table = _compared(study, by_name, json.loads(results.read_text())["rows"])  # every run evaluated now
     results.write_text(json.dumps({"study": str(path), "rows": table}, indent=1) + "\n")
     return [row for r, _ in done for row in table if row["run"] == r[0]]
+
+
+def _row_columns(row: dict) -> list[str]:
+    """The study's ``columns`` in a written row: ``_evaluate`` puts them between ``run`` and ``eval``
+    (a per-run row: before ``episodes``)."""
+    keys = list(row)
+    end = keys.index("eval") if "eval" in keys else keys.index("episodes")
+    return keys[1:end]
+
+
+def markdown(result: dict) -> str:
+    """A study's rows as one table, a line per run: its columns, each evaluation's success with its
+    95% interval (Wilson's from the count where a row predates intervals), each paired comparison
+    written into the rows with what may be said of it, steps, wall-clock and, for RL runs, the
+    loop's generation / training seconds."""
+    from compactrl.bench.harness import markdown_table
+    from compactrl.stats import fmt_ci, fmt_paired, wilson
+
+    runs: dict[str, dict] = {}
+    for r in result["rows"]:  # per-eval rows folded into the per-run form
+        row = runs.setdefault(r["run"], dict(r))
+        if "eval" in r:
+            e = r["eval"]
+            row |= {f"{e}_success": r["accuracy"], f"{e}_success_ci": r.get("accuracy_ci")}
+            row |= {f"{e}_{k}": v for k, v in r.items() if k.startswith("vs_")}
+    columns = _row_columns(result["rows"][0])
+    keys = [k for r in runs.values() for k in r]
+    evals = list(dict.fromkeys(k.removesuffix("_success") for k in keys if k.endswith("_success")))
+    pairs = list(dict.fromkeys(k for k in keys if "_vs_" in k))
+    timed = any(r.get("gen_s") for r in runs.values())
+
+    def success(r: dict, e: str) -> str:
+        v, n = r.get(f"{e}_success"), r["episodes"]
+        return "-" if v is None else fmt_ci(v, r.get(f"{e}_success_ci") or wilson(round(v * n), n))
+
+    head = ["run", *columns, *(f"{e} [95% CI]" for e in evals),
+            *(f"{k.replace('_vs_', ' vs ')}, paired" for k in pairs), "steps", "wall-clock"]  # fmt: skip
+    rows = []
+    for name, r in runs.items():
+        rows.append(
+            [
+                name,
+                *(r[c] for c in columns),
+                *(success(r, e) for e in evals),
+                *(fmt_paired(r.get(k), name) for k in pairs),
+                r["steps"],
+                f"{r['wall_s'] / 60:.1f} min",
+            ]
+        )
+        if timed:
+            rows[-1].append(f"{r['gen_s']:.0f} / {r['train_s']:.0f}" if r.get("gen_s") else "-")
+    return markdown_table(head + ["generation / training s"] * timed, rows)
+
+
+def modes_markdown(result: dict) -> str:
+    """Re-prefill against stream per strategy, from the loop's own timers summed over each run
+    (``gen_s``, ``train_s``): the time ratios of twin runs that differ only in ``mode``."""
+    from compactrl.bench.harness import markdown_table
+
+    by = {(r.get("strategy"), r["mode"]): r for r in result["rows"] if r.get("gen_s")}
+    rows = []
+    for (strategy, mode), s in by.items():
+        p = by.get((strategy, "reprefill"))
+        if mode == "stream" and p is not None:
+            ratios = [(p["gen_s"] + p["train_s"]) / (s["gen_s"] + s["train_s"]), p["gen_s"] / s["gen_s"],
+                      p["train_s"] / s["train_s"]]  # fmt: skip
+            rows.append([strategy, *(f"{x:.2f}" for x in ratios)])
+    return markdown_table(["strategy", "time per step, reprefill / stream", "generation", "training"], rows)

@@ -3,6 +3,7 @@ tiny model written where the snippets expect it); every command of the Quickstar
 started parses against the CLI, its config and `--set` overrides included; the site builds with
 `mkdocs build --strict` (a broken link or a missing page fails)."""
 
+import json
 import os
 import re
 import shlex
@@ -150,6 +151,20 @@ def test_every_result_table_is_what_its_json_renders(tmp_path):
     assert len(sync(edited, ROOT)) == 1  # the four-hop block, not the two-hop one
     sync(edited, ROOT, write=True)
     assert edited.read_text() == text
+
+
+def test_every_study_result_is_rendered_on_a_page():
+    """Each `compactrl study` result under docs/ is read by some page's table, so a study's page
+    cannot quote numbers its JSON does not hold; a table naming a row its JSON lacks is refused."""
+    from compactrl.docs_tables import BLOCK, render
+
+    specs = [m.group(2) for p in (ROOT / "docs").glob("*.md") for m in BLOCK.finditer(p.read_text())]
+    rendered = {a for spec in specs for a in spec.split()[1:]}
+    studies = [p for p in (ROOT / "docs").glob("*.json") if "study" in json.loads(p.read_text())]
+    assert len(studies) >= 4
+    assert [p.name for p in studies if f"docs/{p.name}" not in rendered] == []
+    with pytest.raises(ValueError, match="has no rows"):
+        render("memory docs/bench_sidequest_hops4_replicate.json rows=hops4-policy-full,no-such-row", ROOT)
 
 
 def test_the_site_home_shows_the_readmes_results():

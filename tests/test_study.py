@@ -5,7 +5,8 @@ import json
 import pytest
 
 from compactrl.config import ConfigError
-from compactrl.study import run_study
+from compactrl.stats import fmt_paired
+from compactrl.study import markdown, run_study
 
 STUDY = """
 out = "{out}/runs"
@@ -47,6 +48,11 @@ def test_a_study_trains_its_grid_evaluates_and_resumes(tmp_path):
         assert r["mean_reward_ci"][0] <= r["mean_reward"] <= r["mean_reward_ci"][1]
     saved = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert saved == json.loads(json.dumps(rows))
+    table = markdown({"study": str(path), "rows": saved}).splitlines()  # what the docs render
+    assert table[0].startswith("| run | seed | steps | mode | in-distribution [95% CI] | reprefill [95% CI] |")
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| q_seed0", "| q_seed1"]  # a line per run
+    lo, hi = rows[0]["accuracy_ci"]
+    assert f"{rows[0]['accuracy']:.2f} [{lo:.2f}, {hi:.2f}]" in table[2]
     # run again: nothing is trained or evaluated twice (the logs and eval files stay as they were)
     log = (tmp_path / "runs" / "q_seed0.log").read_text()
     evals = sorted(p.name for p in (tmp_path / "runs" / "q_seed0" / "eval").iterdir())
@@ -125,6 +131,9 @@ def test_a_later_stage_starts_from_an_earlier_runs_checkpoint_and_rows_can_be_pe
     assert not any(k.startswith("final_vs") for k in by_run["base"])
     saved = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert saved == json.loads(json.dumps(rows))
+    table = markdown({"study": str(path), "rows": saved})  # each comparison a column, with its verdict
+    assert "| final vs base, paired |" in table.splitlines()[0]
+    assert fmt_paired(by_run["tuned_stream"]["final_vs_base"], "tuned_stream") in table
     base = tmp_path / "runs" / "base" / "checkpoints" / "step_00000002" / "model" / "model.safetensors"
     tuned = json.loads((tmp_path / "runs" / "tuned_stream" / "config.json").read_text())
     assert tuned["model"]["path"] == str(base.parent) and base.is_file()

@@ -32,7 +32,7 @@ import torch
 from compactrl.agent.batch import run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import NON_COMPLETION, RolloutSettings
-from compactrl.bench.harness import machine_info
+from compactrl.bench.harness import machine_info, markdown_table
 from compactrl.compaction import EvictSteps, Markovian, SlidingWindow, build_strategy
 from compactrl.compaction.evictors import EVICTORS, H2O, RKV, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from compactrl.engine import Engine, EngineConfig
@@ -40,7 +40,7 @@ from compactrl.envs import RecallConfig, RoomsConfig, make_env
 from compactrl.models.loading import config_summary
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
-from compactrl.stats import compare, mean_ci
+from compactrl.stats import compare, fmt_ci, fmt_paired, mean_ci
 
 METHODS = {
     "h2o": H2O,
@@ -201,6 +201,32 @@ def _pair(rows: list[dict]) -> None:
         r |= compare(x, per_seed[0], label, rows[0]["name"])
         if r["name"] in METHODS and r["name"] != "random" and r["budget"] in random:
             r["vs_random"] = compare(x, random[r["budget"]], label, f"random at {r['budget']}")
+
+
+COLUMNS = ["row", "budget", "reward [95% CI]", "vs full, paired [95% CI]", "vs random, paired",
+           "peak KV", "KV reads/ep", "evictions/ep", "not done", "overhead", "decode vs full",
+           "logprob diff"]  # fmt: skip
+
+
+def table(task: dict) -> list[list[str]]:
+    """One task's rows under ``COLUMNS`` (what the CLI prints and the documentation renders)."""
+    rows = []
+    for r in task["rows"]:
+        name = r["name"]
+        rows.append([
+            name, str(r["budget"] or "-"), fmt_ci(r["reward"], r["reward_ci"]), fmt_paired(r, name),
+            fmt_paired(r.get("vs_random"), name), str(r["peak_live_kv"]), f"{r['kv_reads']:.0f}",
+            f"{r['evictions']:.1f}", str(r["non_completion"]), f"{r['overhead']:.2f}",
+            f"{r['decode_speed_vs_full']:.2f}", f"{r['max_abs_logprob_diff']:.1e}",
+        ])  # fmt: skip
+    return rows
+
+
+def markdown(result: dict) -> str:
+    return "\n\n".join(
+        f"{name}: full-context peak {t['full_peak_live_kv']}\n\n" + markdown_table(COLUMNS, table(t))
+        for name, t in result["tasks"].items()
+    )
 
 
 def plot_evictors(result: dict, path: Path) -> Path:

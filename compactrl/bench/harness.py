@@ -66,3 +66,10 @@ def interleaved(
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A bench's table as markdown: the documentation renders the same columns the CLI prints."""
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -97,8 +97,10 @@ class MemoryBench(BaseModel):
         names = {n.split("-", 1)[-1] for n in seen} if self.pool_sets else seen
         for pair in self.contrasts:
             if unknown := [n for n in pair if n not in names]:
-                raise ValueError(f"contrasts {list(pair)}: {unknown} is not a "
-                                 f"{'variant' if self.pool_sets else 'row'}; they are {sorted(names)}")
+                raise ValueError(
+                    f"contrasts {list(pair)}: {unknown} is not a "
+                    f"{'variant' if self.pool_sets else 'row'}; they are {sorted(names)}"
+                )
         return self
 
     def baseline(self, row: Row) -> str | None:
@@ -326,6 +328,15 @@ def deletion_rate(row: dict) -> float:
     return round(row["deleted_cursors"] / row["aux_offered_cursors"], 4)
 
 
+def accuracy(r: dict) -> str:
+    """A row's accuracy with its 95% interval (a row written before rows kept theirs: Wilson's from
+    the count)."""
+    ci, n = r.get("accuracy_ci"), r.get("episodes")
+    if ci is None and n:
+        ci = wilson(round(r["accuracy"] * n), n)
+    return fmt_ci(r["accuracy"], ci)
+
+
 def markdown(table: list[dict]) -> str:
     """The studies' table: each row's accuracy with its 95% interval, its paired difference to its
     baseline row with the difference's interval and what may be said of it, and its memory against
@@ -336,10 +347,11 @@ def markdown(table: list[dict]) -> str:
     def reference(r: dict) -> dict:  # its baseline; a baseline itself; else (no per-question data) the first
         return by_name.get(r.get("compared_to")) or (r if r["row"] in baselines else table[0])
 
+    deletes = any("deletion_precision" in r for r in table)  # SideQuest rows: what their threads deleted
     head = ("| row | accuracy [95% CI] | vs baseline: paired difference [95% CI] | peak live KV "
             "| KV reads / episode | with threads: peak | KV reads | turn limit | unparsable "
-            "| position limit |")  # fmt: skip
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+            "| position limit |" + " deleted | precision | recall |" * deletes)  # fmt: skip
+    lines = [head, "|---" * (10 + 3 * deletes) + "|"]
 
     def vs_base(r: dict) -> str:
         ci, base = r.get("paired_diff_ci"), r.get("compared_to")
@@ -355,12 +367,6 @@ def markdown(table: list[dict]) -> str:
             return "-"
         return f"{v:.0f} ({v / base:.2f}x)" if base else f"{v:.0f}"
 
-    def accuracy(r: dict) -> str:  # a result written before rows kept their interval: Wilson's from the count
-        ci, n = r.get("accuracy_ci"), r.get("episodes")
-        if ci is None and n:
-            ci = wilson(round(r["accuracy"] * n), n)
-        return fmt_ci(r["accuracy"], ci)
-
     for r in table:
         nc = r["non_completion"]
         cells = [
@@ -369,6 +375,14 @@ def markdown(table: list[dict]) -> str:
                 "kv_reads_with_threads_per_episode")),
             *(f"{nc[c]:.2f}" for c in ("turn_limit", "unparsable", "position_limit")),
         ]  # fmt: skip
+        if deletes:  # precision is None where nothing was deleted, recall where nothing was to delete
+            cells += [
+                str(r.get("deleted_cursors", "-")),
+                *(
+                    "-" if r.get(k) is None else f"{r[k]:.2f}"
+                    for k in ("deletion_precision", "deletion_recall")
+                ),
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

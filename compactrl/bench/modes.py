@@ -34,7 +34,7 @@ import torch
 from compactrl.agent.batch import run_episodes
 from compactrl.agent.chat import ChatFormat
 from compactrl.agent.rollout import EpisodeResult, RolloutSettings
-from compactrl.bench.harness import interleaved, machine_info
+from compactrl.bench.harness import interleaved, machine_info, markdown_table
 from compactrl.compaction import Markovian, PickTurns, SlidingWindow, Summary, build_strategy
 from compactrl.engine import Engine, EngineConfig
 from compactrl.engine.kv_book import KVBook
@@ -380,6 +380,30 @@ def run_modes_bench(
     if plots is not None:
         result["plots"] = [str(p) for p in plot_modes(result, plots)]
     return result
+
+
+COLUMNS = ["strategy", "compactions", "full (s)", "reprefill (s)", "stream (s)", "reprefill / stream",
+           "re-prefilled = predicted"]  # fmt: skip
+
+
+def table(result: dict) -> list[list[str]]:
+    """Per strategy: each mode's wall-clock, median (min-max) over the rounds; the ratio of the
+    medians (min-max of the rounds' ratios); the re-prefilled tokens against the cost model's."""
+
+    def wall(x: dict) -> str:
+        return f"{x['wall_s']:.1f} ({x['wall_s_min']:.1f}-{x['wall_s_max']:.1f})"
+
+    rows = []
+    for r in result["strategies"]:
+        ratio = f"{r['wallclock_ratio']:.2f} ({r['wallclock_ratio_min']:.2f}-{r['wallclock_ratio_max']:.2f})"
+        tokens = r["reprefill"]["reprefilled_tokens"], r["reprefill"]["predicted_reprefilled_tokens"]
+        rows.append([r["strategy"], str(r["reprefill"]["compactions"]), wall(r["full"]), wall(r["reprefill"]),
+                     wall(r["stream"]), ratio, "{:,} = {:,}".format(*tokens)])  # fmt: skip
+    return rows
+
+
+def markdown(result: dict) -> str:
+    return markdown_table(COLUMNS, table(result))
 
 
 def plot_modes(result: dict, stem: Path) -> list[Path]:

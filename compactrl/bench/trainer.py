@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from compactrl.bench.cost import extra_prefill
-from compactrl.bench.harness import interleaved, machine_info, medians, timed
+from compactrl.bench.harness import interleaved, machine_info, markdown_table, medians, timed
 from compactrl.bench.synthetic import (
     STRATEGIES,
     Strategy,
@@ -209,3 +209,22 @@ def run_trainer_bench(
         "warmup": "one untimed run of each arm, then the arms interleaved in each repeat",
         "strategies": rows,
     }
+
+
+COLUMNS = ["strategy", "compactions", "r kept", "tokens (b)/(a)", "predicted (N→∞)", "time (b)/(a)",
+           "time ratio / token ratio", "stream t(2N)/t(N)"]  # fmt: skip
+
+
+def table(result: dict) -> list[list[str]]:
+    """Re-prefill (b) against the one-pass stream (a), per strategy, under ``COLUMNS``."""
+    rows = []
+    for r in result["strategies"]:
+        predicted = f"{r['token_ratio_predicted']:.2f} ({r['token_ratio_cost_model']:.2f})"
+        rows.append([r["strategy"], str(r["compactions"]), f"{r['kept_per_compaction']:.0f}",
+                     f"{r['token_ratio']:.2f}", predicted, f"{r['time_ratio']:.2f}",
+                     f"{r['time_ratio'] / r['token_ratio']:.2f}", f"{r['scaling']:.2f}"])  # fmt: skip
+    return rows
+
+
+def markdown(result: dict) -> str:
+    return markdown_table(COLUMNS, table(result))

@@ -19,6 +19,7 @@ from compactrl.cli.common import (
     machine_line,
     os_error,
     out,
+    print_table,
     progress_bar,
     save_result,
 )
@@ -69,38 +70,11 @@ def bench_evictors(
 
 
 def print_evictors(result: dict) -> None:
-    from compactrl.stats import fmt_ci
+    from compactrl.bench.evictors import COLUMNS, table
 
     out.print(machine_line(result))
     for name, t in result["tasks"].items():
-        table = Table(
-            box=box.SIMPLE_HEAD, pad_edge=False, title=f"{name}: full-context peak {t['full_peak_live_kv']}"
-        )
-        columns = ("row", "budget", "reward [95% CI]", "vs full, paired [95% CI]", "vs random, paired",
-                   "peak KV", "KV reads/ep", "evictions/ep", "not done", "overhead", "decode vs full",
-                   "logprob diff")  # fmt: skip
-        for c in columns:
-            table.add_column(c, no_wrap=True)
-        for r in t["rows"]:
-            table.add_row(
-                r["name"], str(r["budget"] or "-"), fmt_ci(r["reward"], r["reward_ci"]), paired(r, r["name"]),
-                paired(r.get("vs_random"), r["name"]),
-                str(r["peak_live_kv"]), f"{r['kv_reads']:.0f}", f"{r['evictions']:.1f}",
-                str(r["non_completion"]), f"{r['overhead']:.2f}", f"{r['decode_speed_vs_full']:.2f}",
-                f"{r['max_abs_logprob_diff']:.1e}",
-            )  # fmt: skip
-        out.print(table)
-
-
-def paired(d: dict | None, name: str) -> str:
-    """A row's paired difference to the row it is compared to, with its interval and verdict."""
-    from compactrl.stats import fmt_ci, verdict
-
-    if not d or not d["paired_diff_ci"]:
-        return "-"
-    ci = d["paired_diff_ci"]
-    said = verdict(ci, name, d["compared_to"], d["mcnemar_p"])
-    return f"{fmt_ci(d['paired_diff'], ci, True)}: {said}"
+        print_table(COLUMNS, table(t), title=f"{name}: full-context peak {t['full_peak_live_kv']}")
 
 
 def bench_memory(
@@ -203,14 +177,13 @@ def print_modes(result: dict) -> None:
                 str(x["prefilled_tokens"]), str(x["reprefilled_tokens"]),
                 str(x["predicted_reprefilled_tokens"]), str(x["peak_live_kv"]), str(x["kv_reads"]),
             )  # fmt: skip
-        line = (
-            f"{r['strategy']}: wall-clock reprefill / stream = {r['wallclock_ratio']:.2f} "
-            f"(per round {r['wallclock_ratio_min']:.2f}-{r['wallclock_ratio_max']:.2f})"
-        )
         if "vllm_reprefill" in r:
-            line += f", reprefill on vLLM / stream = {r['wallclock_ratio_vs_vllm']:.2f}"
-        out.print(line)
+            out.print(f"{r['strategy']}: reprefill on vLLM / stream = {r['wallclock_ratio_vs_vllm']:.2f}")
     out.print(table)
+    from compactrl.bench.modes import COLUMNS
+    from compactrl.bench.modes import table as summary
+
+    print_table(COLUMNS, summary(result), title="wall-clock s: median (min-max) over the rounds")
     c = result["concurrency"]
     out.print(f"KV pool {c['pool_tokens']} tokens = {c['pool_sizing']}; preemption starts at (bisected):")
     for mode, o in c["onsets"].items():

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.table import Table
 
 from compactrl.cli.common import (
     JsonFlag,
@@ -20,6 +18,7 @@ from compactrl.cli.common import (
     machine_line,
     model_label,
     out,
+    print_table,
     progress_bar,
     save_result,
 )
@@ -76,23 +75,10 @@ def print_trainer(result: dict) -> None:
         f"{m['cpu']} · {m['threads']} threads · torch {m['torch']} · {model_label(result['model'])} "
         f"· N={result['n_tokens']} B={result['budget']}"
     )
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("strategy", "evictions", "r", "tok b/a", "pred", "time b/a", "time/tok", "2N/N"):
-        table.add_column(name, no_wrap=True)
-    for r in result["strategies"]:
-        table.add_row(
-            r["strategy"],
-            str(r["compactions"]),
-            f"{r['kept_per_compaction']:.0f}",
-            f"{r['token_ratio']:.2f}",
-            f"{r['token_ratio_predicted']:.2f}",
-            f"{r['time_ratio']:.2f}",
-            f"{r['time_ratio'] / r['token_ratio']:.2f}",
-            f"{r['scaling']:.2f}",
-        )
-    out.print(table)
-    out.print("a = one-pass stream, b = re-prefill (one sample per segment), pred = cost model,")
-    out.print("time/tok = time ratio / token ratio, 2N/N = stream time at 2N over N")
+    from compactrl.bench.trainer import COLUMNS, table
+
+    print_table(COLUMNS, table(result))
+    out.print("a = one-pass stream, b = re-prefill (one sample per segment); predicted: the cost model (N→∞)")
 
 
 def bench_train_step(

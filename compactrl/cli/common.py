@@ -159,3 +159,16 @@ def machine_line(result: dict, key: str = "source") -> str:
     """`cpu · N threads · model (P params)`, the line a benchmark's report opens with."""
     m = result["machine"]
     return f"{m['cpu']} · {m['threads']} threads · {model_label(result['model'], key)}"
+
+
+def print_table(columns: list[str], rows: list[list[str]], title: str | None = None) -> None:
+    """A bench's table (the same columns and cells its documentation renders as markdown)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title)
+    for c in columns:
+        table.add_column(c, no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
