@@ -66,9 +66,8 @@ def _engine(result: str) -> str:
 def _throughput(result: str) -> str:
     """`compactrl bench memory` rows served under one KV pool: episodes per second against the
     first row of the same concurrency, with the pool's preemptions and the threads' own tokens."""
-    from compactrl.bench.memory import accuracy
-
     from compactrl.bench.harness import markdown_table
+    from compactrl.bench.memory import accuracy
 
     base, rows = {}, []
     for r in json.loads(Path(result).read_text()):

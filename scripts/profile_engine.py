@@ -74,6 +74,7 @@ def breakdown(prof, wall: float) -> dict:
 
 
 def run(eng: Engine, batch: int, context: int, new_tokens: int) -> dict:
+    eng.kv.preallocate(batch, context + new_tokens)  # as a running engine's cache already is
     sessions = [eng.session() for _ in range(batch)]
     vocab = eng.vocab_size
     for k, s in enumerate(sessions):

@@ -273,6 +273,34 @@ def test_same_seed_same_tokens_whatever_the_batch(tiny_lm):
     assert g.tokens != sample(0)
 
 
+def test_a_preallocated_cache_keeps_its_rows_and_samples_the_same(tiny_lm):
+    """Preallocating (as a bench does before timing) grows rows and capacity once, keeps what the
+    rows hold, and changes no sampled token or log-prob."""
+
+    def sample(prealloc: bool):
+        eng = engine(tiny_lm)
+        first = eng.session()
+        first.append([1, 2, 3])
+        eng.run()
+        if prealloc:
+            before = (eng.kv.k[0].clone(), eng.kv.rows, eng.kv.capacity)
+            eng.kv.preallocate(4 * before[1], 3 * before[2])
+            assert (eng.kv.rows, eng.kv.capacity) == (4 * before[1], 3 * before[2])
+            r, c = before[0].shape[0], before[0].shape[2]
+            assert torch.equal(eng.kv.k[0][:r, :, :c], before[0])
+            eng.kv.preallocate(1, 1)  # never shrinks
+            assert (eng.kv.rows, eng.kv.capacity) == (4 * before[1], 3 * before[2])
+        gens = []
+        for k in range(6):
+            s = first if k == 0 else eng.session()
+            s.append([k + 4] * (k + 2))
+            gens.append(s.generate(SamplingParams(max_tokens=8, seed=k, ignore_eos=True)))
+        eng.run()
+        return [(g.tokens, g.logprobs) for g in gens]
+
+    assert sample(True) == sample(False)
+
+
 def test_stop_tokens_and_length(tiny_lm):
     eng = engine(tiny_lm)
     s = eng.session()

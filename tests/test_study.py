@@ -49,7 +49,8 @@ def test_a_study_trains_its_grid_evaluates_and_resumes(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert saved == json.loads(json.dumps(rows))
     table = markdown({"study": str(path), "rows": saved}).splitlines()  # what the docs render
-    assert table[0].startswith("| run | seed | steps | mode | in-distribution [95% CI] | reprefill [95% CI] |")
+    head = "| run | seed | steps | mode | in-distribution [95% CI] | reprefill [95% CI] |"
+    assert table[0].startswith(head)
     assert [line.split(" | ")[0] for line in table[2:]] == ["| q_seed0", "| q_seed1"]  # a line per run
     lo, hi = rows[0]["accuracy_ci"]
     assert f"{rows[0]['accuracy']:.2f} [{lo:.2f}, {hi:.2f}]" in table[2]

@@ -68,6 +68,13 @@ class KVCache:
             self._resize(2 * self.rows, self.capacity)
         return self.free.pop()
 
+    def preallocate(self, rows: int, capacity: int) -> None:
+        """Grow to at least ``rows`` rows of ``capacity`` entries now, as vLLM allocates its KV cache
+        at start-up, so the first steps of a known workload do not pay for zero-filling and copying
+        the cache as it doubles."""
+        if rows > self.rows or capacity > self.capacity:
+            self._resize(max(rows, self.rows), max(capacity, self.capacity))
+
     def release(self, row: int) -> None:
         self.valid[row, : self.used[row]] = False
         self.used[row] = self.dead[row] = 0
