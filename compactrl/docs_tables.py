@@ -9,6 +9,7 @@ and `python scripts/docs_tables.py` rewrites every marked block from its JSON (a
 page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory`
 result, with the pooled or contrasted table its bench config asks for), ``throughput`` (its rows
 served under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
+``profile`` (`scripts/profile_engine.py`), ``trainer_hf``,
 ``evictors``, ``modes``, ``trainer``, ``scale``, ``serve``, ``serve_episodes`` (those benches'
 own tables), ``study`` and ``study_modes`` (a `compactrl study` result; its re-prefill / stream
 time ratios)."""
@@ -63,6 +64,35 @@ def _engine(result: str) -> str:
     return markdown_table(columns, rows)
 
 
+def _profile(result: str) -> str:
+    """`scripts/profile_engine.py`: each step kind's share of the wall time, per setting and phase."""
+    from compactrl.bench.harness import markdown_table
+
+    kinds = ["gemm", "attention", "elementwise", "copy/index", "sampling", "other", "python/dispatch"]
+    rows = []
+    for s in json.loads(Path(result).read_text())["settings"]:
+        for phase in ("prefill", "decode"):
+            p = s[phase]
+            rows.append([s["batch"], s["context"], phase, f"{p['tokens'] / p['wall_s']:.0f}",
+                         *(f"{p['share'].get(k, 0.0):.2f}" for k in kinds)])  # fmt: skip
+    return markdown_table(["batch", "context", "phase", "tokens/s", *kinds], rows)
+
+
+def _trainer_hf(result: str) -> str:
+    """`compactrl bench trainer-hf`: our stream trainer against transformers + peft, with the checks."""
+    from compactrl.bench.harness import markdown_table
+
+    r = json.loads(Path(result).read_text())
+    columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
+               "time, ours / theirs", "max \\|Δ log-prob\\|", "max rel. LoRA grad diff",
+               "causal-mask control"]  # fmt: skip
+    row = [r["n_traces"], f"{r['tokens']} ({r['evicted_tokens']})", r["trainable_tokens"],
+           f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
+           f"{r['max_abs_logprob_diff']:.1e}", f"{r['max_rel_lora_grad_diff']:.1e}",
+           f"{r['causal_mask_diff']:.1e}"]  # fmt: skip
+    return markdown_table(columns, [row])
+
+
 def _throughput(result: str) -> str:
     """`compactrl bench memory` rows served under one KV pool: episodes per second against the
     first row of the same concurrency, with the pool's preemptions and the threads' own tokens."""
@@ -97,6 +127,8 @@ RENDERERS = {
     "memory": _memory,
     "engine": _engine,
     "throughput": _throughput,
+    "profile": _profile,
+    "trainer_hf": _trainer_hf,
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),
     "serve_episodes": _of("bench.serve_episodes"),

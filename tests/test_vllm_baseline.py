@@ -53,7 +53,7 @@ def test_decode_reports_throughput(hf_model):
         "--batch",
         2,
         "--context",
-        16,
+        40,
         "--new-tokens",
         4,
         "--repeats",
@@ -62,7 +62,9 @@ def test_decode_reports_throughput(hf_model):
     )
     assert r["engine"] == "vllm" and r["batch"] == 2 and r["threads"] == 1
     assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
-    assert r["cached_prompt_tokens"] == 0  # fresh prompts: prefix cache never hits
+    assert r["decode_only_tokens_per_s"] > 0
+    assert r["cached_prompt_tokens_prefill"] == 0  # fresh prompts: nothing cached
+    assert r["cached_prompt_tokens_decode"] >= 2 * 2 * 16  # the decode calls find the prompts' full blocks
 
 
 @needs_vllm

@@ -7,12 +7,14 @@ bars, the engine subprocesses' output) goes to stderr.
 
   decode    --model DIR --batch B --context C --new-tokens N
             B random prompts of exactly C token ids, N generated tokens each
-            (ignore_eos).  Every call (warm-up and timed) uses fresh random
-            prompts, so prefix caching (left on, as users run vLLM) never hits;
-            the JSON reports the cached-token count of the timed calls (0).
-            decode_tokens_per_s = B*N / wall time of the generate call
-            (prefill included); prefill_tokens_per_s = B*C / wall time of a
-            max_tokens=1 call; decode_only_tokens_per_s = B*(N-1) / (difference).
+            (ignore_eos).  Per repeat, fresh prompts: prefill_tokens_per_s =
+            B*C / wall time of a max_tokens=1 call on them (nothing cached);
+            then the same prompts again, their prefix now cached, with
+            max_tokens=N and max_tokens=1: decode_only_tokens_per_s = B*(N-1) /
+            the difference.  Both calls of the difference are short, so it is
+            not a small difference of two long prefills (at context 1024 that
+            made single runs disagree by 10x).  The JSON reports the cached
+            prompt tokens of each kind of call (0 for the prefill calls).
   logprobs  --model DIR --prompts FILE.json  (a list of token-id lists)
             the sampled token ids and their log-probs (raw model log-softmax,
             vLLM's default logprobs_mode), optionally prompt log-probs.
@@ -76,10 +78,10 @@ def run_decode(args, llm):
     ids = [i for i in range(len(tok)) if i not in special]
     rng = random.Random(args.seed)
 
-    def prompts():  # fresh every call: no prefix-cache hits
+    def prompts():  # fresh prompts: nothing of them is cached
         return [TokensPrompt(prompt_token_ids=rng.choices(ids, k=args.context)) for _ in range(args.batch)]
 
-    def timed(max_tokens):
+    def timed(max_tokens, batch):
         sp = SamplingParams(
             max_tokens=max_tokens,
             min_tokens=max_tokens,
@@ -88,26 +90,32 @@ def run_decode(args, llm):
             detokenize=False,
         )
         t0 = time.perf_counter()
-        outs = llm.generate(prompts(), sp, use_tqdm=False)
+        outs = llm.generate(batch, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
         return dt, sum(o.num_cached_tokens or 0 for o in outs)
 
-    timed(args.new_tokens)  # warm-up (compiles / allocates for these shapes)
-    gen = [timed(args.new_tokens) for _ in range(args.repeats)]
-    pre = [timed(1) for _ in range(args.repeats)]
-    t_gen, t_pre = min(t for t, _ in gen), min(t for t, _ in pre)
+    timed(args.new_tokens, prompts())  # warm-up (compiles / allocates for these shapes)
+    pre, gen, one = [], [], []
+    for _ in range(args.repeats):
+        batch = prompts()
+        pre.append(timed(1, batch))  # prefill of fresh prompts (+ one token); their blocks stay cached
+        gen.append(timed(args.new_tokens, batch))  # the same prompts, prefix cached: their decode
+        one.append(timed(1, batch))  # the same, one token: what gen pays besides decoding
     b, c, n = args.batch, args.context, args.new_tokens
+    decode = min(g - o for (g, _), (o, _) in zip(gen, one))
     return {
         "batch": b,
         "context": c,
         "new_tokens": n,
-        "decode_tokens_per_s": b * n / t_gen,
-        "prefill_tokens_per_s": b * c / t_pre,
-        "decode_only_tokens_per_s": b * (n - 1) / (t_gen - t_pre) if t_gen > t_pre else None,
-        "generate_s": [t for t, _ in gen],
+        "decode_tokens_per_s": b * n / min(t for t, _ in gen),
+        "prefill_tokens_per_s": b * c / min(t for t, _ in pre),
+        "decode_only_tokens_per_s": b * (n - 1) / decode if decode > 0 else None,
         "prefill_s": [t for t, _ in pre],
-        "cached_prompt_tokens": sum(k for _, k in gen + pre),
+        "generate_cached_s": [t for t, _ in gen],
+        "one_token_cached_s": [t for t, _ in one],
+        "cached_prompt_tokens_prefill": sum(k for _, k in pre),
+        "cached_prompt_tokens_decode": sum(k for _, k in gen + one),
     }
 
 
