@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.table import Table
 
 from compactrl.cli.common import (
     JsonFlag,
@@ -165,21 +163,19 @@ def bench_modes(
 def print_modes(result: dict) -> None:
     out.print(machine_line(result))
     title = f"same episodes, three modes; wall s: median (min-max) of {result['repeats']} interleaved rounds"
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title)
-    columns = ("strategy", "mode", "wall s", "prefilled", "re-prefilled", "predicted", "peak KV", "KV reads")
-    for name in columns:
-        table.add_column(name, no_wrap=True)
+    columns = ["strategy", "mode", "wall s", "prefilled", "re-prefilled", "predicted", "peak KV", "KV reads"]
+    rows = []
     for r in result["strategies"]:
         for mode in ("full", "reprefill", "stream"):
             x = r[mode]
-            table.add_row(
+            rows.append([
                 r["strategy"], mode, f"{x['wall_s']:.2f} ({x['wall_s_min']:.2f}-{x['wall_s_max']:.2f})",
                 str(x["prefilled_tokens"]), str(x["reprefilled_tokens"]),
                 str(x["predicted_reprefilled_tokens"]), str(x["peak_live_kv"]), str(x["kv_reads"]),
-            )  # fmt: skip
+            ])  # fmt: skip
         if "vllm_reprefill" in r:
             out.print(f"{r['strategy']}: reprefill on vLLM / stream = {r['wallclock_ratio_vs_vllm']:.2f}")
-    out.print(table)
+    print_table(columns, rows, title=title)
     from compactrl.bench.modes import COLUMNS
     from compactrl.bench.modes import table as summary
 
