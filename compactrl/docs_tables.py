@@ -9,10 +9,10 @@ and `python scripts/docs_tables.py` rewrites every marked block from its JSON (a
 page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory`
 result, with the pooled or contrasted table its bench config asks for), ``throughput`` (its rows
 served under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
-``profile`` (`scripts/profile_engine.py`), ``trainer_hf``,
-``evictors``, ``modes``, ``trainer``, ``scale``, ``serve``, ``serve_episodes`` (those benches'
-own tables), ``study`` and ``study_modes`` (a `compactrl study` result; its re-prefill / stream
-time ratios)."""
+``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
+(`scripts/profile_engine.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
+`compactrl study` result; its re-prefill / stream time ratios)."""
 
 from __future__ import annotations
 
@@ -43,25 +43,6 @@ def _memory(result: str, bench: str | None = None, rows: str | None = None) -> s
         elif b.contrasts:
             parts.append(pooled_markdown(contrasted(table, b.contrasts)))
     return "\n\n".join(p.strip() for p in parts)
-
-
-def _engine(result: str) -> str:
-    """`compactrl bench engine` against transformers (and vLLM where it ran): tokens/s and the
-    ratios, per setting."""
-    from compactrl.bench.harness import markdown_table
-
-    settings = json.loads(Path(result).read_text())["settings"]
-    others = ["transformers", *(["vllm"] * all("vllm_decode_tokens_per_s" in s for s in settings))]
-    names = {"transformers": "transformers", "vllm": "vLLM"}
-    columns = ["batch", "context", "decode: ours tok/s", *(f"/ {names[o]}" for o in others),
-               "prefill: ours tok/s", *(f"/ {names[o]}" for o in others)]  # fmt: skip
-    rows = []
-    for s in settings:
-        dec, pre = s["decode_tokens_per_s"], s["prefill_tokens_per_s"]
-        rows.append([s["batch"], s["context"], f"{dec:.1f}",
-                     *(f"{dec / s[f'{o}_decode_tokens_per_s']:.2f}" for o in others), f"{pre:.0f}",
-                     *(f"{pre / s[f'{o}_prefill_tokens_per_s']:.2f}" for o in others)])  # fmt: skip
-    return markdown_table(columns, rows)
 
 
 def _profile(result: str) -> str:
@@ -125,7 +106,8 @@ def _of(module: str, function: str = "markdown"):
 
 RENDERERS = {
     "memory": _memory,
-    "engine": _engine,
+    "engine": _of("bench.engine"),
+    "engine_floor": _of("bench.engine", "floor_markdown"),
     "throughput": _throughput,
     "profile": _profile,
     "trainer_hf": _trainer_hf,

@@ -106,6 +106,19 @@ def test_onednn_layers_are_the_native_ones_and_follow_weight_updates():
             attn.v_proj.weight.add_(1)
 
 
+def test_onednn_leaves_one_float32_row_to_the_modules_own_matrix_vector_product():
+    """One float32 row (batch-1 decode) runs the layer itself, bit for bit; two rows go to oneDNN.
+    A bfloat16 row stays with oneDNN, which is faster there."""
+    model = lm(dtype=torch.float32)
+    lin = Linears(model, "onednn")
+    up = model.model.layers[0].mlp.up_proj
+    one, two = torch.randn(1, up.in_features), torch.randn(2, up.in_features)
+    assert not lin.stacks(up, x=one) and lin.stacks(up, x=two) and lin.stacks(up, x=one.bfloat16())
+    with torch.no_grad():
+        assert torch.equal(lin.linear(up, one), up(one))
+        torch.testing.assert_close(lin.linear(up, two), up(two), rtol=1e-5, atol=1e-6)
+
+
 def test_low_precision_logits_are_float32_and_match_the_trainer_head():
     model = lm("qwen3")  # tied embeddings
     h = torch.randn(6, model.config.hidden_size).to(torch.bfloat16)
@@ -175,6 +188,7 @@ def test_verify_engine_and_bench_engine_cli_options(tmp_path):
     )
     assert out["model"]["weight_bytes"] == 2 * out["model"]["parameters"]
     assert out["settings"][0]["decode_tokens_per_s"] > 0 and out["settings"][0]["batch"] == 2
+    assert out["settings"][0]["gemms_alone_s"] > 0 and out["read_bytes_per_s"] > 0
     r = runner.invoke(app, ["bench", "engine", "--dtype", "float16"])
     assert r.exit_code == 2 and "--dtype" in r.output
     if not torch.cuda.is_available():

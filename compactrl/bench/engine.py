@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compactrl.bench.harness import machine_info
+from compactrl.bench.harness import machine_info, markdown_table
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 from compactrl.engine.linear import Linears
 from compactrl.models.loading import config_summary, load_model, resolve_dtype
@@ -105,6 +105,47 @@ def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, fl
         prefill, decode = (min(t[e][i] for t in times) for i in (0, 1))
         out.append((B * new_tokens / decode, B * C / prefill))
     return out
+
+
+def read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
+    """Bytes per second one summing pass reads from memory on this CPU (best of ``repeats``): at
+    decode batch sizes a step must read every weight once, so ``weight bytes / this`` is its floor."""
+    a = torch.ones(int(gib * 2**30) // 4)
+    best = min(_timed(a.sum) for _ in range(repeats))
+    return a.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def gemms_alone(model, rows: int, repeats: int = 5) -> float:
+    """Seconds of one decode step's linear layers and head alone, on ``rows`` tokens, back to back,
+    through the engine's kernels (:class:`~compactrl.engine.linear.Linears`, weights prepared as the
+    engine prepares them; median of ``repeats``): what no fusion of the rest of the step removes."""
+    lin = Linears(model)
+    lin.prepare(model)
+    c, dtype = model.config, next(model.parameters()).dtype
+    x = torch.randn(rows, c.hidden_size, dtype=dtype)
+    h = torch.randn(rows, c.intermediate_size, dtype=dtype)
+
+    def step():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for group, inp in (((a.q_proj, a.k_proj, a.v_proj), x), ((a.o_proj,), x),
+                               ((m.gate_proj, m.up_proj), x), ((m.down_proj,), h)):  # fmt: skip
+                if lin.stacks(*group, x=inp):
+                    lin.stacked(inp, *group)
+                else:
+                    for proj in group:
+                        lin.linear(proj, inp)
+        lin.logits(model, x)
+
+    step()
+    return float(np.median([_timed(step) for _ in range(repeats)]))
 
 
 def evict_span(eng: Engine, s, start: int, span: int) -> tuple[float, bool]:
@@ -233,6 +274,7 @@ def run_engine_bench(
                     "batch": batch,
                     "context": context,
                     "new_tokens": new_tokens,
+                    "gemms_alone_s": gemms_alone(ours, batch) if device == "cpu" else None,
                     "decode_tokens_per_s": r_ours,
                     "transformers_decode_tokens_per_s": r_hf,
                     "ratio_vs_transformers": r_ours / r_hf,
@@ -257,6 +299,7 @@ def run_engine_bench(
     return {
         "benchmark": "engine",
         "machine": machine_info(threads, device),
+        "read_bytes_per_s": read_bandwidth() if device == "cpu" else None,
         "model": summary,
         "dtype": dtype,
         "device": device,
@@ -266,3 +309,35 @@ def run_engine_bench(
         "settings": rows,
         "eviction": evictions,
     }
+
+
+def markdown(result: dict) -> str:
+    """Tokens/s of ours and the ratios to transformers (and vLLM where it ran), per setting."""
+    settings = result["settings"]
+    others = ["transformers", *(["vllm"] * all("vllm_decode_tokens_per_s" in s for s in settings))]
+    names = {"transformers": "transformers", "vllm": "vLLM"}
+    columns = ["batch", "context", "decode: ours tok/s", *(f"/ {names[o]}" for o in others),
+               "prefill: ours tok/s", *(f"/ {names[o]}" for o in others)]  # fmt: skip
+    rows = []
+    for s in settings:
+        dec, pre = s["decode_tokens_per_s"], s["prefill_tokens_per_s"]
+        rows.append([s["batch"], s["context"], f"{dec:.1f}",
+                     *(f"{dec / s[f'{o}_decode_tokens_per_s']:.2f}" for o in others), f"{pre:.0f}",
+                     *(f"{pre / s[f'{o}_prefill_tokens_per_s']:.2f}" for o in others)])  # fmt: skip
+    return markdown_table(columns, rows)
+
+
+def floor_markdown(result: dict) -> str:
+    """One decode step (a token for each of ``batch`` sessions) of ours and of vLLM against the
+    step's GEMMs alone and against reading the weights once at the measured memory bandwidth:
+    where the GEMMs alone take most of vLLM's step, no saving elsewhere makes ours much faster."""
+    read_s = result["model"]["weight_bytes"] / result["read_bytes_per_s"]
+    columns = ["batch", "context", "ours ms", "vLLM ms", "GEMMs alone ms", "weights read once ms",
+               "GEMMs alone / vLLM step", "ours / vLLM step"]  # fmt: skip
+    rows = []
+    for s in result["settings"]:
+        ours, vllm = (s["batch"] / s[k] * 1e3 for k in ("decode_tokens_per_s", "vllm_decode_tokens_per_s"))
+        g = s["gemms_alone_s"] * 1e3
+        rows.append([s["batch"], s["context"], f"{ours:.1f}", f"{vllm:.1f}", f"{g:.1f}",
+                     f"{read_s * 1e3:.1f}", f"{g / vllm:.2f}", f"{ours / vllm:.2f}"])  # fmt: skip
+    return markdown_table(columns, rows)

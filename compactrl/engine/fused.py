@@ -75,7 +75,7 @@ class FusedProjection:
         H, Hkv, D = a.n_heads, a.n_kv, a.head_dim
         if linears is None:
             qkv = F.linear(x, self.weight, self.bias)
-        elif linears.stacks(a.q_proj, a.k_proj, a.v_proj):  # its own stacked copy, kept in step
+        elif linears.stacks(a.q_proj, a.k_proj, a.v_proj, x=x):  # its own stacked copy, kept in step
             qkv = linears.stacked(x, a.q_proj, a.k_proj, a.v_proj)
         else:
             qkv = linears.packed(x, self.weight, self.bias)
