@@ -9,7 +9,8 @@ bars, the engine subprocesses' output) goes to stderr.
             B random prompts of exactly C token ids, N generated tokens each
             (ignore_eos).  Per repeat, fresh prompts: prefill_tokens_per_s =
             B*C / wall time of a max_tokens=1 call on them (nothing cached);
-            then the same prompts again, their prefix now cached, with
+            then the same prompts again, their prefix now cached (whole KV
+            blocks, ``block_size`` in the JSON: 128 tokens on CPU), with
             max_tokens=N and max_tokens=1: decode_only_tokens_per_s = B*(N-1) /
             the difference.  Both calls of the difference are short, so it is
             not a small difference of two long prefills (at context 1024 that
@@ -182,6 +183,7 @@ def main(argv=None):
         "prefix_caching": not args.no_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "startup_s": startup_s,
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,  # prefix caching's unit
         **res,
     }
     json_out.write(json.dumps(res) + "\n")

@@ -22,11 +22,12 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 
 class _Generation:
-    def __init__(self, tokens: list[int], logprobs: list[float]):
-        self.tokens, self.logprobs = tokens, logprobs
+    def __init__(self, tokens: list[int], logprobs: list[float], finish_reason: str):
+        self.tokens, self.logprobs, self.finish_reason = tokens, logprobs, finish_reason
 
 
 class VLLMSession:
@@ -45,10 +46,21 @@ class VLLMSession:
         self.generating = False
         self.unfed = 0  # vLLM computes on request; nothing is fed eagerly
         self.cached_tokens = 0
+        self.evictor = None  # no token evictor on vLLM
 
     @property
     def fed(self) -> int:
         return len(self.tokens)
+
+    @property
+    def evict_at(self) -> list[None]:
+        """Nothing is evicted in place on vLLM."""
+        return [None] * len(self.tokens)
+
+    @property
+    def footprint(self) -> SimpleNamespace:
+        """No forks and no holes on vLLM: the session's peak KV is its longest prompt."""
+        return SimpleNamespace(peak=self.metrics.peak_live_kv)
 
     def _extend(self, toks, role, lps=None):
         self.tokens += toks
@@ -57,14 +69,16 @@ class VLLMSession:
         self.logprobs += lps if lps is not None else [float("nan")] * len(toks)
         self.metrics.peak_live_kv = max(self.metrics.peak_live_kv, len(self.tokens))
 
-    def append(self, tokens, *, role: str = "user", turn: int | None = None):
+    def append(self, tokens, *, role: str = "user", turn: int | None = None, cursor: int | None = None):
+        """``cursor`` (which tool output a token belongs to) only matters for deleting outputs in
+        place, which vLLM cannot do: ignored."""
         self._extend([int(t) for t in tokens], role)
         return self
 
     async def agenerate(self, params, *, role: str = "assistant", turn: int | None = None) -> _Generation:
         self.generating = True
         try:
-            toks, lps, cached = await self.backend.submit(self.tokens, params)
+            toks, lps, cached, reason = await self.backend.submit(self.tokens, params)
         finally:
             self.generating = False
         computed = len(self.tokens) - cached
@@ -72,7 +86,7 @@ class VLLMSession:
         self.cached_tokens += cached
         self.metrics.decode_tokens += len(toks)
         self._extend(toks, role, lps)
-        return _Generation(toks, lps)
+        return _Generation(toks, lps, reason)
 
     def evict(self, spans):
         from compactrl.engine import SessionError
@@ -144,7 +158,7 @@ class VLLMBackend:
             for (_, _, fut), o in zip(batch, outs, strict=True):
                 c = o.outputs[0]
                 lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
-                fut.set_result((list(c.token_ids), lps, o.num_cached_tokens or 0))
+                fut.set_result((list(c.token_ids), lps, o.num_cached_tokens or 0, c.finish_reason))
             await asyncio.sleep(0)
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import bm25s
-
 from compactrl.envs.browse.world import World, build_world
 
 SNIPPET_CHARS = 110
@@ -28,6 +26,9 @@ class Corpus:
     """A world and its BM25 index, built once (see :func:`corpus`)."""
 
     def __init__(self, world: World):
+        import bm25s  # here, not at import: code that never builds a browse world (vLLM's
+        # virtualenv running compactrl's episodes) need not install it
+
         self.world = world
         texts = [f"{p.title}. {p.plain}" for p in world.pages]
         self.bm25 = bm25s.BM25()
@@ -35,6 +36,8 @@ class Corpus:
 
     def search(self, query: str, k: int) -> list[int]:
         """The ids of the top ``k`` pages for ``query``, best first; pages that match no term are left out."""
+        import bm25s
+
         tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
         if not tokens[0]:
             return []
