@@ -5,7 +5,10 @@ prompts and the same number of new tokens, in the same process run, in one dtype
 Prefill and decode are timed apart: ours prefills (``run`` with nothing to generate), then times
 the generation of N tokens (N sampling steps and N forwards, the last token being fed eagerly);
 transformers is timed from its first generated token to its last through a streamer (N - 1
-forwards). On CUDA every clock reading is preceded by a device synchronisation.
+forwards). On CUDA every clock reading is preceded by a device synchronisation. After a
+warm-up round, ours and transformers take turns for ``repeats`` rounds, and as many again after
+vLLM has run (in its own process): their best rounds bracket vLLM's, so a slow phase of a shared
+machine during one engine's window does not decide a ratio.
 """
 
 from __future__ import annotations
@@ -94,14 +97,18 @@ def _hf(hf_model, prompts: list[list[int]], new_tokens: int) -> tuple[float, flo
     return clock.times[1] - t0, (clock.times[-1] - clock.times[1]) * new_tokens / (new_tokens - 1)
 
 
-def _rates(runs, prompts, new_tokens: int, repeats: int) -> list[tuple[float, float]]:
-    """Per engine (decode tokens/s, prefill tokens/s), the best of ``repeats`` rounds after one
-    untimed warm-up round: the protocol ``vllm_baseline.py`` gives vLLM. The engines take turns
-    within each round, so a slow phase of a shared machine hits them alike."""
-    times = [[run(prompts, new_tokens) for run in runs] for _ in range(repeats + 1)][1:]
+def _round_times(runs, prompts, new_tokens: int, rounds: int) -> list[list[tuple[float, float]]]:
+    """``rounds`` rounds in which the engines take turns (so a slow phase of a shared machine hits
+    them alike): per round, per engine, (prefill seconds, decode seconds)."""
+    return [[run(prompts, new_tokens) for run in runs] for _ in range(rounds)]
+
+
+def _best_rates(times, prompts, new_tokens: int) -> list[tuple[float, float]]:
+    """Per engine (decode tokens/s, prefill tokens/s) of its best round: the protocol
+    ``vllm_baseline.py`` gives vLLM."""
     B, C = len(prompts), len(prompts[0])
     out = []
-    for e in range(len(runs)):
+    for e in range(len(times[0])):
         prefill, decode = (min(t[e][i] for t in times) for i in (0, 1))
         out.append((B * new_tokens / decode, B * C / prefill))
     return out
@@ -269,7 +276,13 @@ def run_engine_bench(
             for batch in batches:
                 prompts = _prompts(batch, context, ours.config.vocab_size, seed=batch * 7 + context)
                 runs = [lambda p, n: _ours(ours, p, n), lambda p, n: _hf(hf, p, n)]
-                (r_ours, p_ours), (r_hf, p_hf) = _rates(runs, prompts, new_tokens, repeats)
+                times = _round_times(runs, prompts, new_tokens, 1 + repeats)[1:]  # after a warm-up round
+                v = None
+                if vllm_python:  # ours and transformers again after it: the best rounds bracket vLLM's
+                    args = (batch, context, new_tokens, threads, dtype, repeats, kv_bytes)
+                    v = _vllm(vllm_python, folder, *args)
+                    times += _round_times(runs, prompts, new_tokens, repeats)
+                (r_ours, p_ours), (r_hf, p_hf) = _best_rates(times, prompts, new_tokens)
                 row = {
                     "batch": batch,
                     "context": context,
@@ -281,14 +294,12 @@ def run_engine_bench(
                     "prefill_tokens_per_s": p_ours,
                     "transformers_prefill_tokens_per_s": p_hf,
                 }
-                if vllm_python:
-                    args = (batch, context, new_tokens, threads, dtype, repeats, kv_bytes)
-                    v = _vllm(vllm_python, folder, *args)
-                    if v is not None:
-                        # vLLM's decode-only rate: t(N) - t(1) on prompts already cached, prefill excluded
-                        row["vllm_decode_tokens_per_s"] = v["decode_only_tokens_per_s"]
-                        row["vllm_prefill_tokens_per_s"] = v["prefill_tokens_per_s"]
-                        row["ratio_vs_vllm"] = r_ours / v["decode_only_tokens_per_s"]
+                if v is not None:
+                    # vLLM's decode-only rate: t(N) - t(1) on prompts already cached, prefill excluded
+                    row["vllm_decode_tokens_per_s"] = v["decode_only_tokens_per_s"]
+                    row["vllm_prefill_tokens_per_s"] = v["prefill_tokens_per_s"]
+                    row["vllm_cached_prompt_tokens_decode"] = v["cached_prompt_tokens_decode"]
+                    row["ratio_vs_vllm"] = r_ours / v["decode_only_tokens_per_s"]
                 rows.append(row)
                 advance()
         evictions = [eviction_cost(ours, c) for c in contexts]
