@@ -59,39 +59,6 @@ def _profile(result: str) -> str:
     return markdown_table(["batch", "context", "phase", "tokens/s", *kinds], rows)
 
 
-def _trainer_hf(result: str) -> str:
-    """`compactrl bench trainer-hf`: our stream trainer against transformers + peft, with the checks."""
-    from compactrl.bench.harness import markdown_table
-
-    r = json.loads(Path(result).read_text())
-    columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
-               "time, ours / theirs", "max \\|Δ log-prob\\|", "max rel. LoRA grad diff",
-               "causal-mask control"]  # fmt: skip
-    row = [r["n_traces"], f"{r['tokens']} ({r['evicted_tokens']})", r["trainable_tokens"],
-           f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
-           f"{r['max_abs_logprob_diff']:.1e}", f"{r['max_rel_lora_grad_diff']:.1e}",
-           f"{r['causal_mask_diff']:.1e}"]  # fmt: skip
-    return markdown_table(columns, [row])
-
-
-def _throughput(result: str) -> str:
-    """`compactrl bench memory` rows served under one KV pool: episodes per second against the
-    first row of the same concurrency, with the pool's preemptions and the threads' own tokens."""
-    from compactrl.bench.harness import markdown_table
-    from compactrl.bench.memory import accuracy
-
-    base, rows = {}, []
-    for r in json.loads(Path(result).read_text()):
-        first = base.setdefault(r["concurrency"], r)
-        ratio = r["episodes_per_s"] / first["episodes_per_s"]
-        rows.append([r["row"], accuracy(r), r["concurrency"], f"{r['episodes_per_s']:.3f}", f"{ratio:.2f}x",
-                     f"{r['wall_s']:.0f}", r["preemptions"], r.get("aux_tokens", 0),
-                     f"{r['mean_peak_live_kv']:.0f}"])  # fmt: skip
-    columns = ["row", "accuracy [95% CI]", "concurrency", "episodes/s", "vs full context", "wall s",
-               "preemptions", "auxiliary tokens", "mean peak live KV"]  # fmt: skip
-    return markdown_table(columns, rows)
-
-
 def _of(module: str, function: str = "markdown"):
     """A module that renders its result as markdown (``markdown(result)``)."""
 
@@ -108,9 +75,9 @@ RENDERERS = {
     "memory": _memory,
     "engine": _of("bench.engine"),
     "engine_floor": _of("bench.engine", "floor_markdown"),
-    "throughput": _throughput,
+    "throughput": _of("bench.memory", "throughput_markdown"),
     "profile": _profile,
-    "trainer_hf": _trainer_hf,
+    "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),
     "serve_episodes": _of("bench.serve_episodes"),

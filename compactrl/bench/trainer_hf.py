@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from compactrl.bench.harness import machine_info, medians, timed
+from compactrl.bench.harness import machine_info, markdown_table, medians, timed
 from compactrl.models.config import load_config
 from compactrl.models.loading import config_summary, load_model
 from compactrl.models.lora import PROJECTIONS, LoraSettings, add_lora
@@ -189,3 +189,15 @@ def run_trainer_hf_bench(
         "same_values": lp_diff <= TOLERANCE,
         "runs_s": runs,  # per repeat, the whole trace set: the spread behind the medians
     }
+
+
+def markdown(r: dict) -> str:
+    """Our stream trainer against transformers + peft, with the checks."""
+    columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
+               "time, ours / theirs", "max \\|Δ log-prob\\|", "max rel. LoRA grad diff",
+               "causal-mask control"]  # fmt: skip
+    row = [r["n_traces"], f"{r['tokens']} ({r['evicted_tokens']})", r["trainable_tokens"],
+           f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
+           f"{r['max_abs_logprob_diff']:.1e}", f"{r['max_rel_lora_grad_diff']:.1e}",
+           f"{r['causal_mask_diff']:.1e}"]  # fmt: skip
+    return markdown_table(columns, [row])
