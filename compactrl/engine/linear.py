@@ -55,7 +55,8 @@ class Linears:
     ``mode``: ``native`` (the modules' own kernels), ``float32`` (float32 GEMMs on weights converted
     block by block), ``onednn`` (oneDNN GEMMs on weights reordered once into its blocked layout, as
     vLLM's CPU worker runs them: a CPU, float32 or native bfloat16; gate and up projections in one
-    GEMM; the reordered copies take the weights' memory again and are redone when a weight changes),
+    GEMM; a single float32 row left to the module's matrix-vector product, see :meth:`stacks`; the
+    reordered copies take the weights' memory again and are redone when a weight changes),
     ``auto`` (``onednn`` on a CPU for float32, and for bfloat16 where the CPU has native bfloat16
     GEMMs; ``float32`` for steps of 2+ tokens on a CPU without them; else ``native``). Float64 and
     float16 models run natively; the head of a low-precision model always runs in float32.
