@@ -189,6 +189,10 @@ def test_verify_engine_and_bench_engine_cli_options(tmp_path):
     assert out["model"]["weight_bytes"] == 2 * out["model"]["parameters"]
     assert out["settings"][0]["decode_tokens_per_s"] > 0 and out["settings"][0]["batch"] == 2
     assert out["settings"][0]["gemms_alone_s"] > 0 and out["read_bytes_per_s"] > 0
+    # the printed table has the docs' columns; no floor table without vLLM
+    r = runner.invoke(app, args[:-1], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "decode: ours tok/s" in r.output and "/ transformers" in r.output and "GEMMs alone" not in r.output
     r = runner.invoke(app, ["bench", "engine", "--dtype", "float16"])
     assert r.exit_code == 2 and "--dtype" in r.output
     if not torch.cuda.is_available():

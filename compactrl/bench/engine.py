@@ -322,8 +322,9 @@ def run_engine_bench(
     }
 
 
-def markdown(result: dict) -> str:
-    """Tokens/s of ours and the ratios to transformers (and vLLM where it ran), per setting."""
+def table(result: dict) -> tuple[list[str], list[list[str]]]:
+    """Tokens/s of ours and the ratios to transformers (and vLLM where it ran), per setting: what
+    the CLI prints and the documentation renders."""
     settings = result["settings"]
     others = ["transformers", *(["vllm"] * all("vllm_decode_tokens_per_s" in s for s in settings))]
     names = {"transformers": "transformers", "vllm": "vLLM"}
@@ -332,13 +333,13 @@ def markdown(result: dict) -> str:
     rows = []
     for s in settings:
         dec, pre = s["decode_tokens_per_s"], s["prefill_tokens_per_s"]
-        rows.append([s["batch"], s["context"], f"{dec:.1f}",
+        rows.append([str(s["batch"]), str(s["context"]), f"{dec:.1f}",
                      *(f"{dec / s[f'{o}_decode_tokens_per_s']:.2f}" for o in others), f"{pre:.0f}",
                      *(f"{pre / s[f'{o}_prefill_tokens_per_s']:.2f}" for o in others)])  # fmt: skip
-    return markdown_table(columns, rows)
+    return columns, rows
 
 
-def floor_markdown(result: dict) -> str:
+def floor_table(result: dict) -> tuple[list[str], list[list[str]]]:
     """One decode step (a token for each of ``batch`` sessions) of ours and of vLLM against the
     step's GEMMs alone and against reading the weights once at the measured memory bandwidth:
     where the GEMMs alone take most of vLLM's step, no saving elsewhere makes ours much faster."""
@@ -349,6 +350,21 @@ def floor_markdown(result: dict) -> str:
     for s in result["settings"]:
         ours, vllm = (s["batch"] / s[k] * 1e3 for k in ("decode_tokens_per_s", "vllm_decode_tokens_per_s"))
         g = s["gemms_alone_s"] * 1e3
-        rows.append([s["batch"], s["context"], f"{ours:.1f}", f"{vllm:.1f}", f"{g:.1f}",
+        rows.append([str(s["batch"]), str(s["context"]), f"{ours:.1f}", f"{vllm:.1f}", f"{g:.1f}",
                      f"{read_s * 1e3:.1f}", f"{g / vllm:.2f}", f"{ours / vllm:.2f}"])  # fmt: skip
-    return markdown_table(columns, rows)
+    return columns, rows
+
+
+def has_floor(result: dict) -> bool:
+    """Whether the floor table applies: vLLM ran at every setting and the GEMMs were timed (CPU)."""
+    return bool(result.get("read_bytes_per_s")) and all(
+        "vllm_decode_tokens_per_s" in s and s.get("gemms_alone_s") for s in result["settings"]
+    )
+
+
+def markdown(result: dict) -> str:
+    return markdown_table(*table(result))
+
+
+def floor_markdown(result: dict) -> str:
+    return markdown_table(*floor_table(result))

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.table import Table
 
 from compactrl.cli.common import (
     JsonFlag,
@@ -20,6 +18,7 @@ from compactrl.cli.common import (
     machine_line,
     model_label,
     out,
+    print_table,
     progress_bar,
     save_result,
 )
@@ -75,22 +74,16 @@ def bench_engine(
 
 
 def print_engine(result: dict) -> None:
+    from compactrl.bench.engine import floor_table, has_floor, table
+
     m = result["machine"]
     out.print(
         f"{m['cpu']} · {m['device']} · {m['threads']} threads · {result['dtype']} "
         f"(GEMMs {result['matmul']}) · {model_label(result['model'])}"
     )
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("batch", "context", "ours tok/s", "HF tok/s", "ratio", "vLLM tok/s", "ratio vLLM"):
-        table.add_column(name, no_wrap=True)
-    for r in result["settings"]:
-        v = r.get("vllm_decode_tokens_per_s")
-        table.add_row(
-            str(r["batch"]), str(r["context"]), f"{r['decode_tokens_per_s']:.0f}",
-            f"{r['transformers_decode_tokens_per_s']:.0f}", f"{r['ratio_vs_transformers']:.2f}",
-            "-" if v is None else f"{v:.0f}", "-" if v is None else f"{r['ratio_vs_vllm']:.2f}",
-        )  # fmt: skip
-    out.print(table)
+    print_table(*table(result))
+    if has_floor(result):
+        print_table(*floor_table(result), title="a decode step against its GEMMs alone")
     for e in result["eviction"]:
         line = (
             f"evicting {e['evicted_per_call']} of {e['context']} tokens: {e['evict_s'] * 1e6:.0f} us "
