@@ -294,6 +294,9 @@ def run_engine_bench(
                     "prefill_tokens_per_s": p_ours,
                     "transformers_prefill_tokens_per_s": p_hf,
                 }
+                if v is not None and not v["decode_only_tokens_per_s"]:  # t(N) <= t(1): noise won
+                    sys.stderr.write(f"vLLM's decode at batch {batch}, context {context}: not measurable\n")
+                    v = None
                 if v is not None:
                     # vLLM's decode-only rate: t(N) - t(1) on prompts already cached, prefill excluded
                     row["vllm_decode_tokens_per_s"] = v["decode_only_tokens_per_s"]
