@@ -3,8 +3,8 @@ beside our float32 forward's distance to the same reference.
 
   python scripts/vllm_float32_check.py VLLM_PYTHON [--model runs/smollm2] [--prompts 2] [--length 300]
 
-A float32 GEMM run through bfloat16 or TF32 arithmetic (oneDNN's fpmath modes) would put vLLM
-orders of magnitude further from float64 than our float32 forward; the engine speed tables
+A float32 GEMM run through bfloat16 or TF32 arithmetic (oneDNN's fpmath modes, 8 or 10 mantissa
+bits per input) would put vLLM far further from float64 than our float32 forward; the engine speed tables
 compare float32 with float32 only if it does not. Prints one JSON object.
 """
 

@@ -129,12 +129,10 @@ def _timed(fn) -> float:
 
 
 @torch.inference_mode()
-def gemms_alone(model, rows: int, repeats: int = 5) -> float:
+def gemms_alone(model, lin: Linears, rows: int, repeats: int = 5) -> float:
     """Seconds of one decode step's linear layers and head alone, on ``rows`` tokens, back to back,
-    through the engine's kernels (:class:`~compactrl.engine.linear.Linears`, weights prepared as the
-    engine prepares them; median of ``repeats``): what no fusion of the rest of the step removes."""
-    lin = Linears(model)
-    lin.prepare(model)
+    through the engine's kernels (``lin``, prepared as the engine prepares its own; median of
+    ``repeats``): what no fusion of the rest of the step removes."""
     c, dtype = model.config, next(model.parameters()).dtype
     x = torch.randn(rows, c.hidden_size, dtype=dtype)
     h = torch.randn(rows, c.intermediate_size, dtype=dtype)
@@ -263,7 +261,8 @@ def run_engine_bench(
             Path(model_dir) if model_dir else write_tiny_model(Path(tmp) / "model", family="qwen3", size=size)
         )
         ours = load_model(folder, dtype=torch_dtype, device=device)
-        matmul = Linears(ours).kind
+        lin = Linears(ours)  # the engine's GEMMs, prepared once, for the GEMMs-alone timings
+        lin.prepare(ours)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch_dtype, attn_implementation="sdpa"
         ).to(device)
@@ -287,7 +286,7 @@ def run_engine_bench(
                     "batch": batch,
                     "context": context,
                     "new_tokens": new_tokens,
-                    "gemms_alone_s": gemms_alone(ours, batch) if device == "cpu" else None,
+                    "gemms_alone_s": gemms_alone(ours, lin, batch) if device == "cpu" else None,
                     "decode_tokens_per_s": r_ours,
                     "transformers_decode_tokens_per_s": r_hf,
                     "ratio_vs_transformers": r_ours / r_hf,
@@ -318,7 +317,7 @@ def run_engine_bench(
         "dtype": dtype,
         "device": device,
         "threads": threads,
-        "matmul": matmul,
+        "matmul": lin.kind,
         "transformers": transformers.__version__,
         "settings": rows,
         "eviction": evictions,
