@@ -15,8 +15,8 @@ from compactrl.verify import verify_engine
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def engine(lm, pool=100_000, step=256, tokenizer=None):
-    return Engine(lm, tokenizer, EngineConfig(kv_pool_tokens=pool, max_step_tokens=step))
+def engine(lm, pool=100_000, step=256, tokenizer=None, attention="auto"):
+    return Engine(lm, tokenizer, EngineConfig(kv_pool_tokens=pool, max_step_tokens=step, attention=attention))
 
 
 def assert_matches_trainer(lm, sessions, tol=5e-5):
@@ -210,10 +210,12 @@ def test_fork_right_after_append_feeds_then_shares(tiny_lm):
     assert_matches_trainer(tiny_lm, [s, *kids])
 
 
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
 @pytest.mark.parametrize("generating", [[0, 2, 4, 6, 8, 9], [0, 1, 2, 5, 6, 9]])
-def test_decode_over_scattered_rows(tiny_lm, generating):
-    """Decode rows that are not one block: several runs of views, or one gathered copy."""
-    eng = engine(tiny_lm)
+def test_decode_over_scattered_rows(tiny_lm, generating, attention):
+    """Decode rows that are not one block: the kernel's row list, or SDPA's runs of views or one
+    gathered copy."""
+    eng = engine(tiny_lm, attention=attention)
     sessions = [eng.session() for _ in range(10)]
     for k, s in enumerate(sessions):
         s.append([(k * 13 + i) % 300 for i in range(10 + 3 * k)])

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from compactrl.engine.decode_attention import AttentionMode, DecodeAttention
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_book import KVBook
 from compactrl.engine.kv_cache import KVCache
@@ -58,6 +59,13 @@ class EngineConfig(BaseModel):
         "(onednn where it applies, else float32 for steps of 2+ tokens on a CPU without native "
         "bfloat16 GEMMs, else native)",
     )
+    attention: AttentionMode = Field(
+        "auto",
+        description="decode attention: kernel (a C kernel for one query token per session over its "
+        "cache row, holes skipped, compiled on first use with the system C compiler; CPU, float32 or "
+        "bfloat16), sdpa (torch's scaled_dot_product_attention), or auto (kernel where it builds, "
+        "else sdpa)",
+    )
 
 
 class Engine:
@@ -75,6 +83,10 @@ class Engine:
         self.projections = [FusedProjection(layer.self_attn) for layer in model.model.layers]
         self.linears = Linears(model, self.config.matmul)
         self.linears.prepare(model)
+        cfg = model.config
+        self.attention = DecodeAttention(
+            self.config.attention, p.device, p.dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         c = self.config
         self.book = self.Book(self.kv, self.sessions, c.block_size, c.compact_holes)
@@ -226,7 +238,9 @@ class Engine:
         if feeds:
             t0 = time.perf_counter()
             with adapter_mask(self.model, lambda: thread_tokens(feeds, self.kv.device)):
-                logits = forward_step(self.model, self.kv, feeds, self.projections, self.linears)
+                logits = forward_step(
+                    self.model, self.kv, feeds, self.projections, self.linears, self.attention
+                )
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):
                 self._fed(f, logits.get(i))

@@ -2,7 +2,8 @@
 
 All tokens of the step go through the linear layers together (``[1, N, d]``). Attention is
 where sessions differ: single decode tokens of sessions without a shared prefix attend their
-rows batched (one SDPA per run of consecutive rows, each a view of the cache); first prefill
+rows batched (one call of the decode attention kernel, :mod:`~compactrl.engine.decode_attention`,
+or one SDPA per run of consecutive rows, each a view of the cache); first prefill
 chunks of equal length share one causal SDPA; later chunks (and sessions reading a forked
 prefix) attend per session, merging the prefix and own-row parts by log-sum-exp.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from compactrl.engine.decode_attention import DecodeAttention
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache
 from compactrl.engine.linear import Linears
@@ -107,9 +109,11 @@ def forward_step(
     feeds: list[Feed],
     projections: list[FusedProjection],
     linears: Linears | None = None,
+    attention: DecodeAttention | None = None,
 ) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask.
-    ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`)."""
+    ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`);
+    ``attention`` the batched decode tokens' attention (SDPA when ``None``)."""
     device = kv.device
     lin = linears or Linears(model, "native")
     dec, rest = step_order(feeds)
@@ -120,9 +124,15 @@ def forward_step(
         N += f.n
     tokens = torch.tensor([t for f in order for t in f.tokens], device=device)
     positions = torch.tensor([p for f in order for p in range(f.start, f.start + f.n)], device=device)
+    kernel = B > 0 and attention is not None and attention.kind == "kernel"
     if B:
         d_rows = torch.tensor([f.row for f in dec], device=device)
         d_ent = torch.tensor([f.entry for f in dec], device=device)
+        kv.valid[d_rows, d_ent] = True
+        kv.pos[d_rows, d_ent] = positions[:B]
+    if kernel:
+        d_len = d_ent + 1  # each row's entries up to its new token
+    elif B:
         length = max(f.entry for f in dec) + 1
         # maximal runs of consecutive rows: each is a view of the cache (no copy) with its own length
         runs, b0 = [], 0
@@ -131,8 +141,6 @@ def forward_step(
                 runs.append((b0, b, dec[b0].row, max(f.entry for f in dec[b0:b]) + 1))
                 b0 = b
         gather = len(runs) > 4  # many scattered rows: one gathered copy beats many small calls
-        kv.valid[d_rows, d_ent] = True
-        kv.pos[d_rows, d_ent] = positions[:B]
         visible = kv.valid[d_rows, :length][:, None, None, :]
         d_mask = torch.zeros(visible.shape, dtype=kv.dtype, device=device).masked_fill_(
             ~visible, float("-inf")
@@ -166,7 +174,9 @@ def forward_step(
             o = offsets[id(f)]
             K[f.row, :, f.entry : f.entry + f.n] = k[o : o + f.n].transpose(0, 1)
             V[f.row, :, f.entry : f.entry + f.n] = v[o : o + f.n].transpose(0, 1)
-        if B:
+        if kernel:
+            attention(q[:B], K, V, kv.valid, d_rows, d_len, out[:B])
+        elif B:
             # GQA decode: the G query heads sharing a KV head go in as G queries, so each KV row is
             # read once per KV head instead of once per query head (about 2x faster on CPU)
             qd = q[:B].reshape(B, K.shape[1], -1, q.shape[-1])

@@ -1,0 +1,110 @@
+"""Decode attention of an engine step: one query token per session over its cache row, holes skipped.
+
+torch's SDPA on CPU is a flash kernel built for blocks of queries; a decode step has one query
+token per session (three query heads per KV head on SmolLM2) and spends its time in per-block
+small GEMMs and the additive hole mask, reading K/V at about half the memory's speed. The C
+kernel in ``decode_attention.c`` reads each row's K and V once for all query heads of a KV head,
+skips evicted entries (they cost no bandwidth), accumulates in float32 and writes into the step's
+output buffer: 1.3-1.7x SDPA's time on SmolLM2's shapes (``docs/engine_speed.md``).
+
+It is compiled on first use with the system's C compiler for this CPU (``-march=native``) and
+cached under ``~/.cache/compactrl/kernels``, keyed by source, flags and CPU, so a machine builds
+it once (about a second). ``attention = "auto"`` uses it on a CPU where it builds and falls back
+to SDPA elsewhere; ``"kernel"`` refuses to start without it; ``"sdpa"`` never uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+AttentionMode = Literal["auto", "kernel", "sdpa"]
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+MAX_G, MAX_D = 16, 256  # the C kernel's fixed bounds on query heads per KV head and head size
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+@cache
+def load_kernel() -> ctypes.CDLL | str:
+    """The compiled kernel, or the reason there is none (no C compiler, a failed build)."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return "no C compiler on PATH (install gcc or clang)"
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    so = home / "compactrl" / "kernels" / f"decode_attention-{key}.so"
+    if not so.exists():
+        so.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=so.parent) as tmp:  # built aside, then moved: atomic
+            out = Path(tmp) / so.name
+            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+            if r.returncode:
+                return f"{cc} failed to build {SOURCE.name}: {r.stderr.strip()[-500:]}"
+            os.replace(out, so)
+    lib = ctypes.CDLL(str(so))
+    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.decode_attention.argtypes = [P, I64, P, P, P, I64, P, P, P, I, I, I, I, I64, ctypes.c_float, I, P, I64, I]
+    lib.decode_attention.restype = I
+    return lib
+
+
+def unsupported(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """Why the kernel cannot run this model here ('' when it can)."""
+    if device.type != "cpu":
+        return f"the kernel runs on CPU, the model is on {device.type}"
+    if dtype not in DTYPES:
+        return f"the kernel reads float32 or bfloat16 caches, the model is {dtype}"
+    if heads // kv_heads > MAX_G or head_dim > MAX_D:
+        return f"the kernel takes up to {MAX_G} query heads per KV head and head size {MAX_D}"
+    lib = load_kernel()
+    return lib if isinstance(lib, str) else ""
+
+
+class DecodeAttention:
+    """Runs decode attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``)."""
+
+    def __init__(self, mode: AttentionMode, device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
+        why = "" if mode == "sdpa" else unsupported(torch.device(device), dtype, heads, kv_heads, head_dim)
+        if mode == "kernel" and why:
+            raise ValueError(f"attention = 'kernel' cannot run: {why}; set attention = 'auto' or 'sdpa'")
+        self.kind = "sdpa" if mode == "sdpa" or why else "kernel"
+        self.scratch = torch.empty(0)
+
+    def __call__(self, q, K, V, valid, rows, lens, out) -> None:
+        """``q [B, H, D]`` (heads contiguous) of one token per session over ``K, V [rows, Hkv, cap, D]``
+        rows ``rows [B]``, entries ``[0, lens[b])`` where ``valid [rows, cap]``, into ``out [B, H, D]``."""
+        B, H, D = q.shape
+        Hkv, G, threads, longest = K.shape[1], H // K.shape[1], torch.get_num_threads(), int(lens.max())
+        need = threads * G * longest
+        if self.scratch.numel() < need:  # grows to the longest row seen, then stays
+            self.scratch = torch.empty(need)
+        assert q.stride(2) == 1 and q.stride(1) == D and K.is_contiguous() and V.is_contiguous()
+        assert out.is_contiguous() and valid.is_contiguous() and q.dtype == K.dtype == V.dtype == out.dtype
+        assert rows.is_contiguous() and lens.is_contiguous() and rows.dtype == lens.dtype == torch.int64
+        err = load_kernel().decode_attention(
+            q.data_ptr(), q.stride(0), K.data_ptr(), V.data_ptr(), valid.data_ptr(), valid.shape[1],
+            rows.data_ptr(), lens.data_ptr(), out.data_ptr(), B, Hkv, G, D, K.shape[2], D**-0.5,
+            int(q.dtype == torch.bfloat16), self.scratch.data_ptr(), longest, threads,
+        )  # fmt: skip
+        assert err == 0, "decode_attention: G or D past the kernel's bounds"
