@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from pydantic import ValidationError
 
 from compactrl.engine import Engine, EngineConfig, SamplingParams
@@ -48,7 +47,7 @@ def test_kernel_is_attention_over_the_valid_entries_and_never_reads_a_hole(dtype
     lens = lens[rows]
     q = torch.randn(5, 9, 64).to(dtype)
     out = torch.empty_like(q)
-    DecodeAttention("kernel", "cpu", dtype, 9, 3, 64)(q, K, V, valid, rows, lens, out)
+    DecodeAttention("kernel", "cpu", dtype, 3, 64)(q, K, V, valid, rows, lens, out)
     want = reference(q, K, V, valid, rows, lens)
     assert torch.isfinite(out).all()  # NaN sits in every hole and past every length
     assert (out.double() - want).abs().max() < tol
@@ -63,7 +62,7 @@ def test_kernel_reads_query_rows_with_a_stride_and_threads_do_not_change_it():
     qk = torch.randn(6, 9 + 3, 64)  # the fused projection's layout: q heads, then k heads, per token
     q = qk[:, :9]
     rows = torch.arange(6)
-    attn = DecodeAttention("kernel", "cpu", torch.float32, 9, 3, 64)
+    attn = DecodeAttention("kernel", "cpu", torch.float32, 3, 64)
     one, two = torch.empty(6, 9, 64), torch.empty(6, 9, 64)
     attn(q, K, V, valid, rows, lens, one)
     threads = torch.get_num_threads()

@@ -27,6 +27,7 @@ import torch
 
 from compactrl.bench.harness import machine_info, markdown_table
 from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.engine.decode_attention import DecodeAttention
 from compactrl.engine.linear import Linears
 from compactrl.models.loading import config_summary, load_model, resolve_dtype
 from compactrl.models.tiny import write_tiny_model
@@ -318,6 +319,7 @@ def run_engine_bench(
         "device": device,
         "threads": threads,
         "matmul": lin.kind,
+        "attention": DecodeAttention.of(ours).kind,
         "transformers": transformers.__version__,
         "settings": rows,
         "eviction": evictions,

@@ -58,24 +58,25 @@ def load_kernel() -> ctypes.CDLL | str:
         so.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=so.parent) as tmp:  # built aside, then moved: atomic
             out = Path(tmp) / so.name
-            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+            cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 return f"{cc} failed to build {SOURCE.name}: {r.stderr.strip()[-500:]}"
             os.replace(out, so)
     lib = ctypes.CDLL(str(so))
-    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.decode_attention.argtypes = [P, I64, P, P, P, I64, P, P, P, I, I, I, I, I64, ctypes.c_float, I, P, I64, I]
+    P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.decode_attention.argtypes = [P, I64, P, P, P, I64, P, P, P, I, I, I, I, I64, F, I, P, I64, I]
     lib.decode_attention.restype = I
     return lib
 
 
-def unsupported(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
-    """Why the kernel cannot run this model here ('' when it can)."""
+def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> str:
+    """Why the kernel cannot run a model here ('' when it can): ``group`` query heads per KV head."""
     if device.type != "cpu":
         return f"the kernel runs on CPU, the model is on {device.type}"
     if dtype not in DTYPES:
         return f"the kernel reads float32 or bfloat16 caches, the model is {dtype}"
-    if heads // kv_heads > MAX_G or head_dim > MAX_D:
+    if group > MAX_G or head_dim > MAX_D:
         return f"the kernel takes up to {MAX_G} query heads per KV head and head size {MAX_D}"
     lib = load_kernel()
     return lib if isinstance(lib, str) else ""
@@ -84,12 +85,17 @@ def unsupported(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: 
 class DecodeAttention:
     """Runs decode attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``)."""
 
-    def __init__(self, mode: AttentionMode, device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
-        why = "" if mode == "sdpa" else unsupported(torch.device(device), dtype, heads, kv_heads, head_dim)
+    def __init__(self, mode: AttentionMode, device, dtype: torch.dtype, group: int, head_dim: int):
+        why = "" if mode == "sdpa" else unsupported(torch.device(device), dtype, group, head_dim)
         if mode == "kernel" and why:
             raise ValueError(f"attention = 'kernel' cannot run: {why}; set attention = 'auto' or 'sdpa'")
         self.kind = "sdpa" if mode == "sdpa" or why else "kernel"
         self.scratch = torch.empty(0)
+
+    @classmethod
+    def of(cls, model, mode: AttentionMode = "auto") -> DecodeAttention:
+        p, c = next(model.parameters()), model.config
+        return cls(mode, p.device, p.dtype, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
 
     def __call__(self, q, K, V, valid, rows, lens, out) -> None:
         """``q [B, H, D]`` (heads contiguous) of one token per session over ``K, V [rows, Hkv, cap, D]``

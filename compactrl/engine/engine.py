@@ -83,10 +83,7 @@ class Engine:
         self.projections = [FusedProjection(layer.self_attn) for layer in model.model.layers]
         self.linears = Linears(model, self.config.matmul)
         self.linears.prepare(model)
-        cfg = model.config
-        self.attention = DecodeAttention(
-            self.config.attention, p.device, p.dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        )
+        self.attention = DecodeAttention.of(model, self.config.attention)
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         c = self.config
         self.book = self.Book(self.kv, self.sessions, c.block_size, c.compact_holes)
