@@ -1,5 +1,8 @@
 """The decode attention kernel against float64 attention over holed rows, and the engine with it."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -104,3 +107,14 @@ def test_a_kernel_that_cannot_run_is_refused_at_start_and_auto_falls_back():
     assert Engine(lm(torch.float16), None, EngineConfig(attention="auto")).attention.kind == "sdpa"
     with pytest.raises(ValidationError, match="attention"):
         EngineConfig(attention="flash")
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_the_process_float_mode_alone():
+    """A library linked with -ffast-math flushes denormals to zero process-wide when it loads."""
+    code = (
+        "import sys, torch; from compactrl.engine.decode_attention import load_kernel; load_kernel(); "
+        "x = float(sys.argv[1]); print(x / 4 > 0, (torch.tensor([1e-38]) / 4).item() > 0)"
+    )  # the smallest normal float64 over 4, a float32 subnormal: both 0 once denormals are flushed
+    out = subprocess.run([sys.executable, "-c", code, "2.2250738585072014e-308"], capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr
