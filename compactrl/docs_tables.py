@@ -10,7 +10,8 @@ page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl be
 result, with the pooled or contrasted table its bench config asks for), ``throughput`` (its rows
 served under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
-(`scripts/profile_engine.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+(`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
+``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
 
@@ -59,6 +60,21 @@ def _profile(result: str) -> str:
     return markdown_table(["batch", "context", "phase", "tokens/s", *kinds], rows)
 
 
+def _decode_ab(result: str) -> str:
+    """`scripts/decode_ab.py` results (a list, one per setting): each tree's median tokens/s, the
+    ratio, and the spread of its rounds."""
+    from compactrl.bench.harness import markdown_table
+
+    rows = []
+    for r in json.loads(Path(result).read_text()):
+        d, spread = r["decode_tokens_per_s"], {k: [x[1] for x in v] for k, v in r["runs"].items()}
+        rows.append([r["batch"], r["context"], *(f"{d[k]:.1f} ({min(spread[k]):.1f}-{max(spread[k]):.1f})"
+                                                 for k in ("before", "now")),
+                     f"{r['decode_now_vs_before']:.2f}", f"{r['prefill_now_vs_before']:.2f}"])  # fmt: skip
+    heads = ["batch", "context", "decode before tok/s (rounds)", "decode now tok/s (rounds)"]
+    return markdown_table([*heads, "decode now / before", "prefill now / before"], rows)
+
+
 def _of(module: str, function: str = "markdown"):
     """A module that renders its result as markdown (``markdown(result)``)."""
 
@@ -77,6 +93,7 @@ RENDERERS = {
     "engine_floor": _of("bench.engine", "floor_markdown"),
     "throughput": _of("bench.memory", "throughput_markdown"),
     "profile": _profile,
+    "decode_ab": _decode_ab,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),

@@ -2,6 +2,7 @@
 
     python scripts/profile_engine.py [--model runs/smollm2] [--batch 1 8 32] [--context 128 1024]
                                      [--new-tokens 32] [--threads 1] [--dtype float32] [--matmul auto]
+                                     [--attention auto]
                                      [--out FILE]
 
 For each (batch, context): ``batch`` sessions of ``context`` prompt tokens are prefilled (profiled),
@@ -30,7 +31,7 @@ KINDS = {  # aten op -> kind (ops not named here count as "other")
              "mkldnn::_linear_pointwise"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::logsumexp", "aten::masked_fill",
-                  "aten::masked_fill_", "aten::_softmax", "aten::softmax"),
+                  "aten::masked_fill_", "aten::_softmax", "aten::softmax", "compactrl::decode_attention"),
     "elementwise": ("aten::mul", "aten::add", "aten::add_", "aten::silu", "aten::rsqrt", "aten::pow",
                     "aten::mean", "aten::neg", "aten::cat", "aten::sub", "aten::exp", "aten::div",
                     "aten::mul_", "aten::sigmoid", "aten::nan_to_num", "aten::where", "aten::rms_norm",
@@ -44,8 +45,8 @@ KINDS = {  # aten op -> kind (ops not named here count as "other")
 KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
 
 
-def engine(model: str | None, dtype: str, matmul: str) -> Engine:
-    config = EngineConfig(kv_pool_tokens=1 << 17, matmul=matmul)
+def engine(model: str | None, dtype: str, matmul: str, attention: str) -> Engine:
+    config = EngineConfig(kv_pool_tokens=1 << 17, matmul=matmul, attention=attention)
     if model:
         return Engine.from_pretrained(model, dtype=dtype, config=config)
     from compactrl.models.tiny import init_random, tiny_config
@@ -108,16 +109,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--matmul", default="auto", help="EngineConfig.matmul: auto, native, onednn, float32")
+    p.add_argument("--attention", default="auto", help="EngineConfig.attention: auto, kernel, sdpa")
     p.add_argument("--out", default=None, help="write the JSON here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    eng = engine(a.model, a.dtype, a.matmul)
+    eng = engine(a.model, a.dtype, a.matmul, a.attention)
     run(eng, 1, 16, 2)  # warm-up
     params = sum(x.numel() for x in eng.model.parameters())
     machine = machine_info(a.threads) | {"capability": torch.backends.cpu.get_cpu_capability()}
     result = {"machine": machine,
               "model": a.model or "SmolLM2-135M shape (random)", "parameters": params, "dtype": a.dtype,
-              "matmul": eng.linears.kind, "settings": []}  # fmt: skip
+              "matmul": eng.linears.kind, "attention": eng.attention.kind, "settings": []}  # fmt: skip
     for b in a.batch:
         for c in a.context:
             r = run(eng, b, c, a.new_tokens)

@@ -50,7 +50,7 @@ def test_kernel_is_attention_over_the_valid_entries_and_never_reads_a_hole(dtype
     lens = lens[rows]
     q = torch.randn(5, 9, 64).to(dtype)
     out = torch.empty_like(q)
-    DecodeAttention("kernel", "cpu", dtype, 3, 64)(q, K, V, valid, rows, lens, out)
+    DecodeAttention("kernel", "cpu", dtype, 3, 64)(q, K, V, valid, rows, lens, int(lens.max()), out)
     want = reference(q, K, V, valid, rows, lens)
     assert torch.isfinite(out).all()  # NaN sits in every hole and past every length
     assert (out.double() - want).abs().max() < tol
@@ -67,15 +67,17 @@ def test_kernel_reads_query_rows_with_a_stride_and_threads_do_not_change_it():
     rows = torch.arange(6)
     attn = DecodeAttention("kernel", "cpu", torch.float32, 3, 64)
     one, two = torch.empty(6, 9, 64), torch.empty(6, 9, 64)
-    attn(q, K, V, valid, rows, lens, one)
+    attn(q, K, V, valid, rows, lens, 80, one)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        attn(q, K, V, valid, rows, lens, two)
+        attn(q, K, V, valid, rows, lens, 80, two)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each (row, KV head) is summed in the same order whatever thread runs it
     assert (one.double() - reference(q.contiguous(), K, V, valid, rows, lens)).abs().max() < 2e-6
+    with pytest.raises(AssertionError, match="longer than longest"):  # its scratch would overflow
+        attn(q, K, V, valid, rows, lens, 79, one)
 
 
 def lm(dtype=torch.float32):
@@ -116,5 +118,6 @@ def test_loading_the_kernel_leaves_the_process_float_mode_alone():
         "import sys, torch; from compactrl.engine.decode_attention import load_kernel; load_kernel(); "
         "x = float(sys.argv[1]); print(x / 4 > 0, (torch.tensor([1e-38]) / 4).item() > 0)"
     )  # the smallest normal float64 over 4, a float32 subnormal: both 0 once denormals are flushed
-    out = subprocess.run([sys.executable, "-c", code, "2.2250738585072014e-308"], capture_output=True, text=True)
+    tiny = "2.2250738585072014e-308"
+    out = subprocess.run([sys.executable, "-c", code, tiny], capture_output=True, text=True)
     assert out.stdout.split() == ["True", "True"], out.stderr

@@ -7,8 +7,8 @@
  *
  * Layouts (elements): q [B, Hkv*G, D] with row stride q_stride, heads contiguous; K, V one
  * layer's cache [rows, Hkv, cap, D], contiguous; valid [rows, vcap] bytes; out [B, Hkv*G, D]
- * contiguous; scratch at least threads * G * max(lens) floats. Returns non-zero when G or D is
- * past the kernel's fixed bounds (the caller checks them first).
+ * contiguous; scratch threads * G * max_len floats. Returns 1 when G or D is past the kernel's
+ * fixed bounds (the caller checks them first), 2 when a row is longer than max_len or the cache.
  */
 #include <math.h>
 #include <stdint.h>
@@ -101,6 +101,8 @@ int decode_attention(const void *q, int64_t q_stride, const void *K, const void 
                      int G, int D, int64_t cap, float scale, int bf16, float *scratch, int64_t max_len,
                      int threads) {
     if (G > MAX_G || D > MAX_D) return 1;
+    for (int b = 0; b < B; b++)
+        if (lens[b] > max_len || lens[b] > cap || lens[b] > vcap) return 2;
     const size_t es = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t i = 0; i < (int64_t)B * Hkv; i++) {

@@ -130,10 +130,10 @@ def forward_step(
         d_ent = torch.tensor([f.entry for f in dec], device=device)
         kv.valid[d_rows, d_ent] = True
         kv.pos[d_rows, d_ent] = positions[:B]
+        length = max(f.entry for f in dec) + 1  # the longest row's entries up to its new token
     if kernel:
         d_len = d_ent + 1  # each row's entries up to its new token
     elif B:
-        length = max(f.entry for f in dec) + 1
         # maximal runs of consecutive rows: each is a view of the cache (no copy) with its own length
         runs, b0 = [], 0
         for b in range(1, B + 1):
@@ -175,7 +175,7 @@ def forward_step(
             K[f.row, :, f.entry : f.entry + f.n] = k[o : o + f.n].transpose(0, 1)
             V[f.row, :, f.entry : f.entry + f.n] = v[o : o + f.n].transpose(0, 1)
         if kernel:
-            attention(q[:B], K, V, kv.valid, d_rows, d_len, out[:B])
+            attention(q[:B], K, V, kv.valid, d_rows, d_len, length, out[:B])
         elif B:
             # GQA decode: the G query heads sharing a KV head go in as G queries, so each KV row is
             # read once per KV head instead of once per query head (about 2x faster on CPU)
