@@ -52,10 +52,15 @@ def _cpu_identity() -> str:
 @cache
 def load_kernel() -> ctypes.CDLL | str:
     """The compiled kernel, or the reason there is none (no C compiler, a failed build)."""
+    return build(SOURCE)
+
+
+def build(source: Path) -> ctypes.CDLL | str:
+    """``source`` (this kernel's C, possibly another revision of it) compiled and loaded."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return "no C compiler on PATH (install gcc or clang)"
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     so = home / "compactrl" / "kernels" / f"decode_attention-{key}.so"
@@ -63,10 +68,10 @@ def load_kernel() -> ctypes.CDLL | str:
         so.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=so.parent) as tmp:  # built aside, then moved: atomic
             out = Path(tmp) / so.name
-            cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+            cmd = [cc, *FLAGS, str(source), "-o", str(out), "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
-                return f"{cc} failed to build {SOURCE.name}: {r.stderr.strip()[-500:]}"
+                return f"{cc} failed to build {source.name}: {r.stderr.strip()[-500:]}"
             os.replace(out, so)
     lib = ctypes.CDLL(str(so))
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -95,6 +100,7 @@ class DecodeAttention:
         if mode == "kernel" and why:
             raise ValueError(f"attention = 'kernel' cannot run: {why}; set attention = 'auto' or 'sdpa'")
         self.kind = "sdpa" if mode == "sdpa" or why else "kernel"
+        self.lib = load_kernel() if self.kind == "kernel" else None
         self.scratch = torch.empty(0)
 
     @classmethod
@@ -121,8 +127,8 @@ class DecodeAttention:
         )  # fmt: skip
         if torch._C._autograd._profiler_enabled():  # named in a torch.profiler trace, free otherwise
             with torch.profiler.record_function("compactrl::decode_attention"):
-                err = load_kernel().decode_attention(*args)
+                err = self.lib.decode_attention(*args)
         else:
-            err = load_kernel().decode_attention(*args)
+            err = self.lib.decode_attention(*args)
         why = ("", "G or D past the kernel's bounds", "a row longer than longest or the cache")
         assert err == 0, why[err]
