@@ -31,7 +31,8 @@ LAYERS, HKV, G, D = 30, 3, 3, 64
 
 def setting(batch: int, context: int, dtype: torch.dtype, holes: float, kernels: dict, rounds: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    caches = [[torch.randn(batch, HKV, context, D, generator=gen).to(dtype) for _ in "kv"] for _ in range(LAYERS)]
+    shape = (batch, HKV, context, D)
+    caches = [[torch.randn(shape, generator=gen).to(dtype) for _ in "kv"] for _ in range(LAYERS)]
     valid = torch.rand(batch, context, generator=gen) >= holes
     valid[:, -1] = True  # each session's new token
     q = torch.randn(batch, HKV * G, D, generator=gen).to(dtype)
