@@ -11,7 +11,7 @@ result, with the pooled or contrasted table its bench config asks for), ``throug
 served under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
 (`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
-``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+``attention`` (`scripts/attention_ab.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
 
@@ -75,6 +75,21 @@ def _decode_ab(result: str) -> str:
     return markdown_table([*heads, "decode now / before", "prefill now / before"], rows)
 
 
+def _attention(result: str) -> str:
+    """`scripts/attention_ab.py`: decode attention over 30 layers, the kernel against SDPA."""
+    from compactrl.bench.harness import markdown_table
+
+    r = json.loads(Path(result).read_text())
+    before = [f"kernel@{r['before']}"] if r["before"] else []
+    kernels = ["kernel", *before]
+    rows = [[s["dtype"], s["batch"], s["context"], *(f"{s['ms'][k]:.1f}" for k in ["sdpa", *kernels]),
+             *(f"{s['vs_sdpa'][k]:.2f}" for k in kernels), f"{s['kernel_kv_gb_per_s']:.1f}"]
+            for s in r["settings"]]  # fmt: skip
+    heads = ["SDPA ms", "kernel ms", *(f"{k} ms" for k in before), "kernel speed-up"]
+    heads += [f"{k} speed-up" for k in before] + ["kernel reads K/V at GB/s"]
+    return markdown_table(["dtype", "batch", "context", *heads], rows)
+
+
 def _of(module: str, function: str = "markdown"):
     """A module that renders its result as markdown (``markdown(result)``)."""
 
@@ -94,6 +109,7 @@ RENDERERS = {
     "throughput": _of("bench.memory", "throughput_markdown"),
     "profile": _profile,
     "decode_ab": _decode_ab,
+    "attention": _attention,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),
