@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from compactrl.engine import Engine, EngineConfig, SamplingParams
-from compactrl.engine.decode_attention import DecodeAttention, load_kernel
+from compactrl.engine.decode_attention import SOURCE, DecodeAttention, build, load_kernel
 from compactrl.models.tiny import init_random, tiny_config
 
 needs_kernel = pytest.mark.skipif(isinstance(load_kernel(), str), reason="the kernel does not build here")
@@ -121,3 +121,10 @@ def test_loading_the_kernel_leaves_the_process_float_mode_alone():
     tiny = "2.2250738585072014e-308"
     out = subprocess.run([sys.executable, "-c", code, tiny], capture_output=True, text=True)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+@needs_kernel  # a compiler to find first
+def test_a_kernel_cache_that_cannot_be_written_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-folder"))
+    assert "set XDG_CACHE_HOME to a writable folder" in build(SOURCE)
