@@ -56,8 +56,10 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
  * |r| <= ln(2) / 2, e^r by its Taylor series to r^7. Against float64: relative error under 1.2e-7
  * (2 float32 ulps) for x >= -20, 3e-6 near -87 where e^x < 1e-37, absolute error under 5e-8. */
 static inline float exp_nonpositive(float x) {
-    x = x > -87.f ? x : -87.f; /* compares, not fmaxf (which does not vectorise): NaN goes to */
-    x = x < 0.f ? x : 0.f;     /* -87 too, so the garbage in a hole's slot stays finite, then x 0 */
+    /* compares, not fmaxf (which does not vectorise); NaN goes to -87 too, so the garbage in a
+     * hole's slot stays finite until it is weighed 0 */
+    x = x > -87.f ? x : -87.f;
+    x = x < 0.f ? x : 0.f;
     const float n = floorf(x * 1.44269504f + 0.5f);
     const float r = x - n * 0.693147181f;
     float p = 1.f / 5040;
