@@ -7,50 +7,26 @@ and V once for all query heads of a KV head, skips evicted entries (they cost no
 accumulates in float32 and writes into the step's output buffer. On SmolLM2's shapes it takes 1.5
 to 2.7 times less time than SDPA in float32, 1.3 to 2.2 in bfloat16 (``docs/engine_speed.md``).
 
-It is compiled on first use with the system's C compiler for this CPU (``-march=native``) and
-cached under ``~/.cache/compactrl/kernels``, keyed by source, flags and CPU, so a machine builds
-it once (about a second). ``attention = "auto"`` uses it on a CPU where it builds and falls back
-to SDPA elsewhere; ``"kernel"`` refuses to start without it; ``"sdpa"`` never uses it.
+It is compiled on first use for this CPU (:mod:`~compactrl.engine.kernels`). ``attention =
+"auto"`` uses it on a CPU where it builds and falls back to SDPA elsewhere; ``"kernel"`` refuses
+to start without it; ``"sdpa"`` never uses it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from compactrl.engine.kernels import compile_c
+
 AttentionMode = Literal["auto", "kernel", "sdpa"]
 SOURCE = Path(__file__).with_name("decode_attention.c")
-# Reordered float sums (vectorised dot products) without -ffast-math itself: a library linked with
-# it carries crtfastmath.o, whose constructor flushes denormals to zero for the whole process.
-FAST_SUMS = [
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-    "-fno-math-errno",
-    "-freciprocal-math",
-]
-FLAGS = ["-O3", "-march=native", *FAST_SUMS, "-fopenmp", "-fPIC", "-shared"]
 MAX_G, MAX_D = 16, 256  # the C kernel's fixed bounds on query heads per KV head and head size
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 @cache
@@ -61,26 +37,9 @@ def load_kernel() -> ctypes.CDLL | str:
 
 def build(source: Path) -> ctypes.CDLL | str:
     """``source`` (this kernel's C, possibly another revision of it) compiled and loaded."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        return "no C compiler on PATH (install gcc or clang)"
-    src = source.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    so = home / "compactrl" / "kernels" / f"decode_attention-{key}.so"
-    if not so.exists():
-        try:
-            so.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=so.parent) as tmp:  # built aside, then moved: atomic
-                out = Path(tmp) / so.name
-                cmd = [cc, *FLAGS, str(source), "-o", str(out), "-lm"]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode:
-                    return f"{cc} failed to build {source.name}: {r.stderr.strip()[-500:]}"
-                os.replace(out, so)
-        except OSError as e:
-            return f"cannot write the kernel to {so.parent} ({e}); set XDG_CACHE_HOME to a writable folder"
-    lib = ctypes.CDLL(str(so))
+    lib = compile_c(source)
+    if isinstance(lib, str):
+        return lib
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.decode_attention.argtypes = [P, I64, P, P, P, I64, P, P, P, I, I, I, I, I64, F, I, P, I64, I]
     lib.decode_attention.restype = I

@@ -25,11 +25,16 @@ identically, show up as engine/trainer mismatch.
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from compactrl.engine.kernels import compile_c
 
 MatmulMode = Literal["auto", "native", "float32", "onednn"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -47,6 +52,17 @@ def has_native_low_precision_matmul(device: torch.device | str) -> bool:
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
     return onednn and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@cache
+def load_gemv() -> ctypes.CDLL | str:
+    """The one-row kernel (``gemv.c``), or the reason there is none (no C compiler, a failed build)."""
+    lib = compile_c(Path(__file__).with_name("gemv.c"))
+    if not isinstance(lib, str):
+        P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.gemv.argtypes = [P, P, P, I64, I64, I, I]
+        lib.gemv.restype = None
+    return lib
 
 
 class Linears:
@@ -87,15 +103,22 @@ class Linears:
         # float32 elements converted per block: ~4 MB stays in a CPU's cache; GPUs take big blocks
         self.block = 1 << 20 if p.device.type == "cpu" else 1 << 26
         self._buf: torch.Tensor | None = None
+        # one row (decode at batch 1) through gemv.c: float32, and bfloat16 where it is not native
+        gemv = mode == "auto" and p.device.type == "cpu" and (p.dtype == torch.float32 or self.upcast)
+        lib = load_gemv() if gemv else "not used"
+        self.gemv = None if isinstance(lib, str) else lib
+        self._gemv = None if self.gemv is None else self.gemv.gemv
 
     @property
     def kind(self) -> str:
         """What runs the GEMMs, for reports."""
         if self.onednn:
-            return "onednn (prepacked)"
-        if not self.low_precision:
-            return "native"
-        return ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
+            kind = "onednn (prepacked)"
+        elif not self.low_precision:
+            kind = "native"
+        else:
+            kind = ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
+        return kind + (", gemv (1 row)" if self.gemv else "")
 
     # ---- float32 GEMM of low-precision weights --------------------------------------------------
     def _buffer(self, n: int, device) -> torch.Tensor:
@@ -123,6 +146,26 @@ class Linears:
 
     def _wants(self, m: nn.Module, x: torch.Tensor) -> bool:
         return self.upcast and type(m) is nn.Linear and x.numel() >= self.min_rows * x.shape[-1]
+
+    # ---- one row --------------------------------------------------------------------------------
+    def _one_row(self, x: torch.Tensor, *layers: nn.Module) -> bool:
+        return (
+            self.gemv is not None
+            and x.numel() == x.shape[-1]
+            and all(type(m) is nn.Linear and m.weight.is_contiguous() for m in layers)
+        )
+
+    def row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` in float32 for one row ``x [..., in]`` (any dtype) and a contiguous
+        float32 or bfloat16 ``weight``, by ``gemv.c``: each weight row streamed once, float32 sums.
+        Kept to a few calls: on a decode step at batch 1 it runs 151 times."""
+        n_out, n_in = weight.shape
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out = x.new_empty((*x.shape[:-1], n_out))
+        bf16, threads = weight.dtype == torch.bfloat16, torch.get_num_threads()
+        self._gemv(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_out, n_in, bf16, threads)
+        return out if bias is None else out.add_(bias)
 
     # ---- oneDNN GEMMs on reordered weights ------------------------------------------------------
     @torch.no_grad()
@@ -169,6 +212,8 @@ class Linears:
 
     # ---- layers -------------------------------------------------------------------------------
     def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._one_row(x, m):
+            return self.row(x, m.weight, m.bias).to(x.dtype)
         if self.stacks(m, x=x):
             return self.stacked(x, m)
         if not self._wants(m, x):
@@ -177,6 +222,8 @@ class Linears:
 
     def packed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x [N, in], weight, bias)`` for a packed weight (the fused q/k/v)."""
+        if self._one_row(x):
+            return self.row(x, weight, bias).to(x.dtype)
         if not (self.upcast and x.shape[0] >= self.min_rows):
             return F.linear(x, weight, bias)
         return self.mm32(x, weight, bias).to(x.dtype)
@@ -187,7 +234,7 @@ class Linears:
         if self.stacks(gate, up, x=x):
             g, u = self.stacked(x, gate, up).chunk(2, dim=-1)
             return self.linear(down, F.silu(g) * u)
-        if not self._wants(down, x):
+        if not (self._wants(down, x) or self._one_row(x, gate, up, down)):
             return mlp(x)
         return self.linear(down, F.silu(self.linear(gate, x)) * self.linear(up, x))
 
@@ -195,6 +242,8 @@ class Linears:
         """Float32 logits ``[..., vocab]`` of final-norm ``hidden [..., d]``; a low-precision model's head
         runs in float32 (as :func:`~compactrl.models.decoder.token_logprobs`)."""
         head = lm.lm_head
+        if self._one_row(hidden, head):
+            return self.row(hidden, head.weight, head.bias)
         if self.stacks(head):  # a low-precision head reordered as float32
             return self.stacked(hidden, head, dtype=torch.float32)
         if not (self.low_precision and type(head) is nn.Linear):
