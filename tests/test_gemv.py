@@ -71,4 +71,4 @@ def test_an_engine_step_of_one_row_goes_through_the_kernel_and_equals_the_module
 
 def test_without_a_compiler_the_reason_is_returned(monkeypatch):
     monkeypatch.setenv("PATH", "")
-    assert "no C compiler" in compile_c(Path(linear.__file__).with_name("gemv.c"))
+    assert "no C compiler" in compile_c(Path(linear.__file__).with_name("gemv.c"), {})

@@ -240,3 +240,29 @@ def test_find_stop():
     assert find_stop("hello world", ["world", "lo"]) == 5  # "lo" completes before "world"
     assert find_stop("abcd", ["bcd", "c"]) == 3
     assert find_stop("a</s>b</s>", ["</s>"]) == 5
+
+
+@pytest.mark.skipif(SAMPLER.kernel is None, reason="sampling.c does not build here")
+@pytest.mark.parametrize("vocab", [7, 300, 49152])  # one block, several, a real vocabulary's
+def test_kernel_draws_and_scores_as_the_torch_path(vocab):
+    """Untruncated rows go to sampling.c: the same tokens and float64 log-probs as the torch path,
+    with greedy, tempered, forced and seeded rows in one batch and masked (-inf) logits."""
+    torch_path, rng = Sampler(kernel=False), random.Random(vocab)
+    assert torch_path.kernel is None
+    for trial in range(40):
+        B = rng.randint(1, 9)
+        gen = torch.Generator().manual_seed(trial)
+        logits = torch.randn(B, vocab, generator=gen) * rng.choice([0.5, 3, 20])
+        logits[0, rng.sample(range(vocab), vocab // 2)] = -math.inf
+        temps = [rng.choice([0, 0.7, 1.0, 1.3]) for _ in range(B)]
+        params = [SamplingParams(temperature=t, model_logprobs=True) for t in temps]
+        forced = [rng.choice([None, None, 3]) for _ in range(B)]
+        seeds = [rng.randrange(10**6) for _ in range(B)]
+        a = SAMPLER.sample(logits, params, [make_generator(s) for s in seeds], forced)
+        b = torch_path.sample(logits, params, [make_generator(s) for s in seeds], forced)
+        assert torch.equal(a.tokens, b.tokens)
+        for x, y in ((a.logprobs, b.logprobs), (a.model_logprobs, b.model_logprobs)):
+            assert torch.equal(x.isfinite(), y.isfinite())  # a forced masked token scores -inf in both
+            fin = y.isfinite()
+            assert torch.allclose(x[fin], y[fin], rtol=0, atol=1e-12)
+        assert not logits[0, a.tokens[0]].isinf() or forced[0] is not None  # never a masked token drawn

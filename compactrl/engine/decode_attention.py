@@ -37,13 +37,9 @@ def load_kernel() -> ctypes.CDLL | str:
 
 def build(source: Path) -> ctypes.CDLL | str:
     """``source`` (this kernel's C, possibly another revision of it) compiled and loaded."""
-    lib = compile_c(source)
-    if isinstance(lib, str):
-        return lib
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.decode_attention.argtypes = [P, I64, P, P, P, I64, P, P, P, I, I, I, I, I64, F, I, P, I64, I]
-    lib.decode_attention.restype = I
-    return lib
+    args = [P, I64, P, P, P, I64, P, P, P, I, I, I, I, I64, F, I, P, I64, I]
+    return compile_c(source, {"decode_attention": (args, I)})
 
 
 def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> str:

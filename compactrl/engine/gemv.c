@@ -45,12 +45,14 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-#define ROW(LOAD, SCALAR)                                                                          \
+#define ROW(LOAD, SCALAR, PREFETCH)                                                                \
     do {                                                                                           \
         vf acc[U] = {0};                                                                           \
         int64_t k = 0;                                                                             \
-        for (; k + U * LANES <= K; k += U * LANES)                                                 \
+        for (; k + U * LANES <= K; k += U * LANES) {                                               \
+            PREFETCH(row + k);                                                                     \
             for (int u = 0; u < U; u++) acc[u] += LOAD(row + k + u * LANES) * load(x + k + u * LANES); \
+        }                                                                                          \
         for (; k + LANES <= K; k += LANES) acc[0] += LOAD(row + k) * load(x + k);                  \
         for (int u = 1; u < U; u++) acc[0] += acc[u];                                              \
         float s = 0.f;                                                                             \
@@ -60,16 +62,21 @@ static inline float from_bf16(uint16_t h) {
     } while (0)
 
 #define SAME(v) (v)
+#define NONE(p)
+/* bfloat16 rows spend more time per byte (widening), so the hardware prefetcher alone falls
+ * behind: ask for the lines 2 KB ahead (1.3x on an AMD EPYC; float32 runs faster without). */
+#define AHEAD(p)                                                                                   \
+    for (int b = 0; b < U * LANES * 2; b += 64) __builtin_prefetch((const char *)(p) + 2048 + b, 0, 3)
 
 void gemv(const float *x, const void *w, float *y, int64_t N, int64_t K, int bf16, int threads) {
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         if (bf16) {
             const uint16_t *row = (const uint16_t *)w + n * K;
-            ROW(load_bf16, from_bf16);
+            ROW(load_bf16, from_bf16, AHEAD);
         } else {
             const float *row = (const float *)w + n * K;
-            ROW(load, SAME);
+            ROW(load, SAME, NONE);
         }
     }
 }

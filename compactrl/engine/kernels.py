@@ -39,8 +39,9 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def compile_c(source: Path) -> ctypes.CDLL | str:
-    """``source`` compiled (or found in the cache) and loaded, or the reason it cannot be."""
+def compile_c(source: Path, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | str:
+    """``source`` compiled (or found in the cache) and loaded with its functions' ctypes
+    ``signatures`` (name: (argument types, return type)), or the reason it cannot be."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return "no C compiler on PATH (install gcc or clang)"
@@ -60,4 +61,7 @@ def compile_c(source: Path) -> ctypes.CDLL | str:
                 os.replace(out, so)
         except OSError as e:
             return f"cannot write the kernel to {so.parent} ({e}); set XDG_CACHE_HOME to a writable folder"
-    return ctypes.CDLL(str(so))
+    lib = ctypes.CDLL(str(so))
+    for name, (args, result) in signatures.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    return lib

@@ -57,12 +57,8 @@ def has_native_low_precision_matmul(device: torch.device | str) -> bool:
 @cache
 def load_gemv() -> ctypes.CDLL | str:
     """The one-row kernel (``gemv.c``), or the reason there is none (no C compiler, a failed build)."""
-    lib = compile_c(Path(__file__).with_name("gemv.c"))
-    if not isinstance(lib, str):
-        P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.gemv.argtypes = [P, P, P, I64, I64, I, I]
-        lib.gemv.restype = None
-    return lib
+    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    return compile_c(Path(__file__).with_name("gemv.c"), {"gemv": ([P, P, P, I64, I64, I, I], None)})
 
 
 class Linears:
