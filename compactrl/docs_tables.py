@@ -6,12 +6,13 @@ page and its data cannot drift: a page marks a table with
     <!-- end table -->
 
 and `python scripts/docs_tables.py` rewrites every marked block from its JSON (a test fails when a
-page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory`
-result, with the pooled or contrasted table its bench config asks for), ``throughput`` (its rows
-served under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
+page differs from what its JSON renders). Renderers: ``memory`` (a `compactrl bench memory` result,
+with the pooled or contrasted table its bench config asks for), ``throughput`` (its rows served
+under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
 (`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
-``attention`` (`scripts/attention_ab.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+``attention`` (`scripts/attention_ab.py`), ``gemv``, ``sampling`` and ``kernel_steps``
+(`scripts/gemv_sampling_ab.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
 
@@ -90,6 +91,42 @@ def _attention(result: str) -> str:
     return markdown_table(["dtype", "batch", "context", *heads], rows)
 
 
+def _gemv(result: str) -> str:
+    """`scripts/gemv_sampling_ab.py`: one-row products over SmolLM2's weights, gemv.c against torch
+    and oneDNN."""
+    from compactrl.bench.harness import markdown_table
+
+    r = json.loads(Path(result).read_text())
+    names = ["gemv", "torch", "onednn"]
+    rows = [[s["dtype"], f"{s['weight_bytes'] / 1e6:.0f}",
+             *(f"{s['ms'][k]:.1f}" if k in s["ms"] else "-" for k in names),
+             *(f"{s['gb_per_s'][k]:.1f}" if k in s["ms"] else "-" for k in names),
+             f"{r['read_gb_per_s']:.1f}", f"{s['vs_torch']['gemv']:.2f}"]
+            for s in r["settings"]]  # fmt: skip
+    heads = ["dtype", "weights MB", "gemv.c ms", "torch ms", "oneDNN ms", "gemv.c GB/s", "torch GB/s"]
+    return markdown_table([*heads, "oneDNN GB/s", "summing pass GB/s", "gemv.c speed-up over torch"], rows)
+
+
+def _sampling(result: str) -> str:
+    """`scripts/gemv_sampling_ab.py`: sampling rows of logits, sampling.c against the torch path."""
+    from compactrl.bench.harness import markdown_table
+
+    rows = [[s["batch"], s["vocab"], f"{s['ms']['kernel']:.2f}", f"{s['ms']['torch']:.2f}",
+             f"{s['kernel_speed_up']:.2f}", "yes" if s["same_tokens"] else "no"]
+            for s in json.loads(Path(result).read_text())["sampling"]]  # fmt: skip
+    heads = ["rows", "vocabulary", "sampling.c ms", "torch path ms", "sampling.c speed-up", "same tokens"]
+    return markdown_table(heads, rows)
+
+
+def _kernel_steps(result: str) -> str:
+    """`scripts/gemv_sampling_ab.py --model`: whole decode steps with gemv.c and sampling.c and without."""
+    from compactrl.bench.harness import markdown_table
+
+    rows = [[s["batch"], s["context"], *(f"{s['ms_per_step'][k]:.1f}" for k in ("torch", "kernels")),
+             f"{s['speed_up']:.2f}"] for s in json.loads(Path(result).read_text())["steps"]]  # fmt: skip
+    return markdown_table(["batch", "context", "step without ms", "step with ms", "speed-up"], rows)
+
+
 def _of(module: str, function: str = "markdown"):
     """A module that renders its result as markdown (``markdown(result)``)."""
 
@@ -110,6 +147,9 @@ RENDERERS = {
     "profile": _profile,
     "decode_ab": _decode_ab,
     "attention": _attention,
+    "gemv": _gemv,
+    "sampling": _sampling,
+    "kernel_steps": _kernel_steps,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),

@@ -57,7 +57,8 @@ class EngineConfig(BaseModel):
         "layout, gate and up in one GEMM; float32, or bfloat16 with native bfloat16 GEMMs), float32 "
         "(bfloat16/float16 weights converted block by block, float32 GEMM, output rounded), or auto "
         "(onednn where it applies, else float32 for steps of 2+ tokens on a CPU without native "
-        "bfloat16 GEMMs, else native)",
+        "bfloat16 GEMMs, else native; on a CPU a one-token step's products run a C matrix-vector "
+        "kernel, float32 or bfloat16 without native bfloat16 GEMMs, where it builds)",
     )
     attention: AttentionMode = Field(
         "auto",
