@@ -63,7 +63,7 @@ void sample_rows(const float *logits, int64_t stride, int B, int64_t V, const do
         float mf = x[0];
         for (int64_t j = 1; j < V; j++) mf = x[j] > mf ? x[j] : mf;
         int64_t best = 0;
-        while (x[best] != mf) best++; /* the first maximum, as argmax */
+        while (best < V - 1 && x[best] != mf) best++; /* the first maximum, as argmax (NaN: bounded) */
         const double m = mf, s = greedy[b] ? 1.0 : 1.0 / temp[b];
         double bs[(V + BLOCK - 1) / BLOCK];
         const double total = block_sums(x, V, m, s, bs);

@@ -176,7 +176,7 @@ class Sampler:
         if plain and logits.device.type == "cpu" and logits.dtype == torch.float32:
             return self._sample_kernel(logits, params, generators, forced, temps, greedy)
         # float64: over a real vocabulary (49k) a float32 log-softmax alone is off by ~3e-5 nats, which
-        # would hide the engine/trainer agreement; B x V doubles cost nothing next to the forward
+        # would hide the engine/trainer agreement (sampling.c does the same sums without B x V copies)
         logits = logits.double()
         dev = logits.device
         model_lp = logits.log_softmax(-1)
