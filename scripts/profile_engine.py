@@ -28,7 +28,7 @@ from compactrl.engine import Engine, EngineConfig, SamplingParams
 
 KINDS = {  # aten op -> kind (ops not named here count as "other")
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
-             "mkldnn::_linear_pointwise"),
+             "mkldnn::_linear_pointwise", "compactrl::gemv"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::logsumexp", "aten::masked_fill",
                   "aten::masked_fill_", "aten::_softmax", "aten::softmax", "compactrl::decode_attention"),
@@ -40,7 +40,7 @@ KINDS = {  # aten op -> kind (ops not named here count as "other")
                    "aten::scatter_", "aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy",
                    "aten::embedding", "aten::fill_", "aten::zero_", "aten::empty", "aten::arange"),
     "sampling": ("aten::topk", "aten::multinomial", "aten::log_softmax", "aten::_log_softmax", "aten::sort",
-                 "aten::argmax", "aten::cumsum"),
+                 "aten::argmax", "aten::cumsum", "compactrl::sample_rows"),
 }  # fmt: skip
 KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from compactrl.engine.kernels import compile_c
+from compactrl.engine.kernels import compile_c, traced
 
 AttentionMode = Literal["auto", "kernel", "sdpa"]
 SOURCE = Path(__file__).with_name("decode_attention.c")
@@ -87,10 +87,6 @@ class DecodeAttention:
             rows.data_ptr(), lens.data_ptr(), out.data_ptr(), B, Hkv, G, D, K.shape[2], D**-0.5,
             int(q.dtype == torch.bfloat16), self.scratch.data_ptr(), longest, threads,
         )  # fmt: skip
-        if torch._C._autograd._profiler_enabled():  # named in a torch.profiler trace, free otherwise
-            with torch.profiler.record_function("compactrl::decode_attention"):
-                err = self.lib.decode_attention(*args)
-        else:
-            err = self.lib.decode_attention(*args)
+        err = traced("compactrl::decode_attention", self.lib.decode_attention, *args)
         why = ("", "G or D past the kernel's bounds", "a row longer than longest or the cache")
         assert err == 0, why[err]

@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 # Reordered float sums (vectorised dot products) without -ffast-math itself: a library linked with
 # it carries crtfastmath.o, whose constructor flushes denormals to zero for the whole process.
 FAST_SUMS = [
@@ -65,3 +67,12 @@ def compile_c(source: Path, signatures: dict[str, tuple[list, object]]) -> ctype
     for name, (args, result) in signatures.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
+
+
+def traced(name: str, fn, *args):
+    """``fn(*args)``, shown as ``name`` in a torch.profiler trace (a range opened only while one runs:
+    a ctypes call is otherwise invisible to it, and a range costs microseconds per call)."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compactrl.engine.kernels import compile_c
+from compactrl.engine.kernels import compile_c, traced
 
 MatmulMode = Literal["auto", "native", "float32", "onednn"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -159,8 +159,8 @@ class Linears:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         out = x.new_empty((*x.shape[:-1], n_out))
-        bf16, threads = weight.dtype == torch.bfloat16, torch.get_num_threads()
-        self._gemv(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_out, n_in, bf16, threads)
+        args = x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_out, n_in, weight.dtype == torch.bfloat16
+        traced("compactrl::gemv", self._gemv, *args, torch.get_num_threads())
         return out if bias is None else out.add_(bias)
 
     # ---- oneDNN GEMMs on reordered weights ------------------------------------------------------

@@ -28,7 +28,7 @@ from pathlib import Path
 import pydantic
 import torch
 
-from compactrl.engine.kernels import compile_c
+from compactrl.engine.kernels import compile_c, traced
 
 
 class SamplingParams(pydantic.BaseModel):
@@ -225,9 +225,9 @@ class Sampler:
         is_greedy = torch.tensor(greedy, dtype=torch.uint8)
         force = torch.tensor([-1 if f is None else f for f in forced or [None] * B], dtype=torch.int64)
         tokens, lp, model_lp = torch.empty(B, dtype=torch.int64), *torch.empty(2, B, dtype=torch.float64)
-        self.kernel(
-            logits.data_ptr(), logits.stride(0), B, V, temp.data_ptr(), is_greedy.data_ptr(), u.data_ptr(),
-            force.data_ptr(), tokens.data_ptr(), lp.data_ptr(), model_lp.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        ins = [t.data_ptr() for t in (temp, is_greedy, u, force)]
+        outs = [t.data_ptr() for t in (tokens, lp, model_lp)]
+        args = logits.data_ptr(), logits.stride(0), B, V, *ins, *outs, torch.get_num_threads()
+        traced("compactrl::sample_rows", self.kernel, *args)
         want_model = any(p.model_logprobs for p in params)
         return SampleOutput(tokens=tokens, logprobs=lp, model_logprobs=model_lp if want_model else None)
