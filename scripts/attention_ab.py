@@ -13,15 +13,13 @@ flags, to measure a change to the kernel alone.
 
 import argparse
 import json
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from compactrl.bench.harness import machine_info
+from compactrl.bench.harness import in_ms, interleaved, machine_info, medians
 from compactrl.engine.decode_attention import SOURCE, DecodeAttention, build
 from compactrl.engine.runner import _attend_rows
 
@@ -52,16 +50,20 @@ def setting(batch: int, context: int, dtype: torch.dtype, holes: float, kernels:
         return run
 
     runs = {"sdpa": sdpa} | {name: kernel(a) for name, a in kernels.items()}
-    ms: dict[str, list[float]] = {name: [] for name in runs}
     results = {}
-    for r in range(1 + rounds):  # round 0 warms up
-        for name in list(runs) if r % 2 else list(runs)[::-1]:
-            t = time.perf_counter()
-            runs[name]()
-            if r:
-                ms[name].append((time.perf_counter() - t) * 1e3)
-            results[name] = out.double().clone()
-    step = {name: statistics.median(v) for name, v in ms.items()}
+
+    def arm(name: str):
+        timed = in_ms(runs[name])
+
+        def run() -> float:
+            t = timed()
+            results[name] = out.double().clone()  # untimed
+            return t
+
+        return run
+
+    ms = interleaved({name: arm(name) for name in runs}, rounds, alternate=True)  # a warm-up round first
+    step = medians(ms)
     kv_bytes = 2 * LAYERS * HKV * D * dtype.itemsize * int(valid.sum())
     return {
         "batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."), "ms": step,

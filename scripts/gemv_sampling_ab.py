@@ -25,7 +25,6 @@ same for both, which whole runs in separate processes (``scripts/decode_ab.py``)
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from compactrl.bench.engine import read_bandwidth
-from compactrl.bench.harness import machine_info
+from compactrl.bench.harness import in_ms, interleaved, machine_info, medians
 from compactrl.engine.linear import load_gemv
 from compactrl.engine.sampling import Sampler, SamplingParams, make_generator
 
@@ -72,14 +71,8 @@ def setting(dtype: torch.dtype, rounds: int) -> dict:
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
         runs["onednn"] = onednn
-    ms: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(1 + rounds):  # round 0 warms up
-        for name in list(runs) if r % 2 else list(runs)[::-1]:
-            t = time.perf_counter()
-            runs[name]()
-            if r:
-                ms[name].append((time.perf_counter() - t) * 1e3)
-    step = {name: statistics.median(v) for name, v in ms.items()}
+    ms = interleaved({name: in_ms(fn) for name, fn in runs.items()}, rounds, alternate=True)
+    step = medians(ms)
     nbytes = sum(w.numel() * w.element_size() for w in [*ws, head])
     check = ws[3]  # one layer's product against float64
     y = torch.empty(check.shape[0])
@@ -100,17 +93,19 @@ def sampling(batch: int, rounds: int) -> dict:
     samplers = {"kernel": Sampler(), "torch": Sampler(kernel=False)}
     if samplers["kernel"].kernel is None:
         raise SystemExit("sampling.c does not build here")
-    ms: dict[str, list[float]] = {name: [] for name in samplers}
     tokens = {}
-    for r in range(1 + rounds):
-        for name in list(samplers) if r % 2 else list(samplers)[::-1]:
-            gens = [make_generator(b) for b in range(batch)]
+
+    def arm(name: str):
+        def run() -> float:
+            gens = [make_generator(b) for b in range(batch)]  # fresh, untimed: the same draws every run
             t = time.perf_counter()
-            out = samplers[name].sample(logits, params, gens)
-            if r:
-                ms[name].append((time.perf_counter() - t) * 1e3)
-            tokens[name] = out.tokens
-    step = {name: statistics.median(v) for name, v in ms.items()}
+            tokens[name] = samplers[name].sample(logits, params, gens).tokens
+            return (time.perf_counter() - t) * 1e3
+
+        return run
+
+    ms = interleaved({name: arm(name) for name in samplers}, rounds, alternate=True)
+    step = medians(ms)
     return {"batch": batch, "vocab": VOCAB, "ms": step, "kernel_speed_up": step["torch"] / step["kernel"],
             "same_tokens": bool(torch.equal(tokens["kernel"], tokens["torch"])), "rounds_ms": ms}  # fmt: skip
 
@@ -128,25 +123,19 @@ def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> 
     eng.run()
     for k, s in enumerate(sessions):
         s.generate(SamplingParams(max_tokens=new, seed=k, ignore_eos=True))
-    lib, sample_rows = eng.linears.gemv, eng.sampler.kernel
-    if lib is None or sample_rows is None:
+    gemv, sample_rows = eng.linears.gemv, eng.sampler.kernel
+    if gemv is None or sample_rows is None:
         raise SystemExit("the engine runs without gemv.c or sampling.c here")
 
-    def use(on: bool) -> None:
-        eng.linears.gemv, eng.linears._gemv = (lib, lib.gemv) if on else (None, None)
-        eng.sampler.kernel = sample_rows if on else None
+    def block_with(on: bool) -> None:
+        eng.linears.gemv, eng.sampler.kernel = (gemv, sample_rows) if on else (None, None)
+        for _ in range(block):
+            eng.step()
 
-    ms: dict[str, list[float]] = {"kernels": [], "torch": []}
-    for r in range(1 + rounds):
-        for name in list(ms) if r % 2 else list(ms)[::-1]:
-            use(name == "kernels")
-            t = time.perf_counter()
-            for _ in range(block):
-                eng.step()
-            if r:
-                ms[name].append((time.perf_counter() - t) * 1e3 / block)
-    use(True)
-    step = {name: statistics.median(v) for name, v in ms.items()}
+    arms = {"kernels": lambda: block_with(True), "torch": lambda: block_with(False)}
+    ms = interleaved({name: in_ms(fn, per=block) for name, fn in arms.items()}, rounds, alternate=True)
+    eng.linears.gemv, eng.sampler.kernel = gemv, sample_rows
+    step = medians(ms)
     return {"batch": batch, "context": context, "ms_per_step": step,
             "speed_up": step["torch"] / step["kernels"], "rounds_ms": ms}  # fmt: skip
 

@@ -102,8 +102,7 @@ class Linears:
         # one row (decode at batch 1) through gemv.c: float32, and bfloat16 where it is not native
         gemv = mode == "auto" and p.device.type == "cpu" and (p.dtype == torch.float32 or self.upcast)
         lib = load_gemv() if gemv else "not used"
-        self.gemv = None if isinstance(lib, str) else lib
-        self._gemv = None if self.gemv is None else self.gemv.gemv
+        self.gemv = None if isinstance(lib, str) else lib.gemv
 
     @property
     def kind(self) -> str:
@@ -114,7 +113,7 @@ class Linears:
             kind = "native"
         else:
             kind = ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
-        return kind + (", gemv (1 row)" if self.gemv else "")
+        return kind + (", gemv (1 row)" if self.gemv is not None else "")
 
     # ---- float32 GEMM of low-precision weights --------------------------------------------------
     def _buffer(self, n: int, device) -> torch.Tensor:
@@ -160,7 +159,7 @@ class Linears:
             x = x.float().contiguous()
         out = x.new_empty((*x.shape[:-1], n_out))
         args = x.data_ptr(), weight.data_ptr(), out.data_ptr(), n_out, n_in, weight.dtype == torch.bfloat16
-        traced("compactrl::gemv", self._gemv, *args, torch.get_num_threads())
+        traced("compactrl::gemv", self.gemv, *args, torch.get_num_threads())
         return out if bias is None else out.add_(bias)
 
     # ---- oneDNN GEMMs on reordered weights ------------------------------------------------------
