@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from compactrl.bench.engine import read_bandwidth
-from compactrl.bench.harness import in_ms, interleaved, machine_info, medians
+from compactrl.bench.harness import decoding_engine, in_ms, interleaved, machine_info, medians, toggled_steps
 from compactrl.engine.linear import load_gemv
 from compactrl.engine.sampling import Sampler, SamplingParams, make_generator
 
@@ -111,30 +111,16 @@ def sampling(batch: int, rounds: int) -> dict:
 
 
 def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
-    from compactrl.engine import Engine, EngineConfig
-    from compactrl.models.loading import load_model
-
-    lm = load_model(model)
-    new = (2 * rounds + 2) * block + 2
-    eng = Engine(lm, None, EngineConfig(kv_pool_tokens=batch * (context + new + 8), max_step_tokens=2048))
-    sessions = [eng.session() for _ in range(batch)]
-    for k, s in enumerate(sessions):
-        s.append([(7 * k + 13 * i) % (lm.config.vocab_size - 10) + 5 for i in range(context)])
-    eng.run()
-    for k, s in enumerate(sessions):
-        s.generate(SamplingParams(max_tokens=new, seed=k, ignore_eos=True))
+    eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
     gemv, sample_rows = eng.linears.gemv, eng.sampler.kernel
     if gemv is None or sample_rows is None:
         raise SystemExit("the engine runs without gemv.c or sampling.c here")
 
-    def block_with(on: bool) -> None:
+    def use(on: bool) -> None:
         eng.linears.gemv, eng.sampler.kernel = (gemv, sample_rows) if on else (None, None)
-        for _ in range(block):
-            eng.step()
 
-    arms = {"kernels": lambda: block_with(True), "torch": lambda: block_with(False)}
-    ms = interleaved({name: in_ms(fn, per=block) for name, fn in arms.items()}, rounds, alternate=True)
-    eng.linears.gemv, eng.sampler.kernel = gemv, sample_rows
+    ms = toggled_steps(eng, {"kernels": lambda: use(True), "torch": lambda: use(False)}, rounds, block)
+    use(True)
     step = medians(ms)
     return {"batch": batch, "context": context, "ms_per_step": step,
             "speed_up": step["torch"] / step["kernels"], "rounds_ms": ms}  # fmt: skip

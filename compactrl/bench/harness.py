@@ -75,6 +75,43 @@ def in_ms(fn: Callable[[], object], per: int = 1) -> Callable[[], float]:
     return run
 
 
+def decoding_engine(model: str, batch: int, context: int, steps: int):
+    """An engine on the checkpoint ``model`` with ``batch`` sessions of ``context`` prompt tokens,
+    prefilled and each set to decode ``steps`` more (EOS ignored): for A/Bs that toggle a kernel
+    between blocks of :meth:`Engine.step` calls, which keeps the cache, the process and the minute
+    the same for both arms, as runs in separate processes cannot."""
+    from compactrl.engine import Engine, EngineConfig
+    from compactrl.engine.sampling import SamplingParams
+    from compactrl.models.loading import load_model
+
+    lm = load_model(model)
+    eng = Engine(lm, None, EngineConfig(kv_pool_tokens=batch * (context + steps + 8), max_step_tokens=2048))
+    sessions = [eng.session() for _ in range(batch)]
+    for k, s in enumerate(sessions):
+        s.append([(7 * k + 13 * i) % (lm.config.vocab_size - 10) + 5 for i in range(context)])
+    eng.run()
+    for k, s in enumerate(sessions):
+        s.generate(SamplingParams(max_tokens=steps, seed=k, ignore_eos=True))
+    return eng
+
+
+def toggled_steps(
+    eng, arms: dict[str, Callable[[], None]], rounds: int, block: int = 4
+) -> dict[str, list[float]]:
+    """Milliseconds per decode step of ``eng`` under each arm (a function that sets the engine up for
+    it), blocks of ``block`` steps taking turns, ``rounds`` rounds (:func:`interleaved`); ``eng``
+    needs ``(2 * rounds + 2) * block`` steps left per arm pair."""
+
+    def run(setup: Callable[[], None]) -> None:
+        setup()
+        for _ in range(block):
+            eng.step()
+
+    return interleaved(
+        {name: in_ms(lambda f=f: run(f), per=block) for name, f in arms.items()}, rounds, alternate=True
+    )
+
+
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 

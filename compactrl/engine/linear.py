@@ -54,11 +54,28 @@ def has_native_low_precision_matmul(device: torch.device | str) -> bool:
     return onednn and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+SMALL_ROWS = 32  # small_gemm.c up to this many rows (decode batches); oneDNN beyond, where it wins
+
+
 @cache
 def load_gemv() -> ctypes.CDLL | str:
     """The one-row kernel (``gemv.c``), or the reason there is none (no C compiler, a failed build)."""
     P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     return compile_c(Path(__file__).with_name("gemv.c"), {"gemv": ([P, P, P, I64, I64, I, I], None)})
+
+
+@cache
+def load_small_gemm() -> ctypes.CDLL | str:
+    """The 2-to-32-row kernel (``small_gemm.c``), or the reason there is none."""
+    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    signatures = {"small_gemm": ([P, P, P, I64, I64, I64, I], None), "panel_width": ([], I)}
+    return compile_c(Path(__file__).with_name("small_gemm.c"), signatures)
+
+
+def panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``weight [N, K]`` as ``small_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded."""
+    n, k = weight.shape
+    return F.pad(weight, (0, 0, 0, -n % width)).view(-1, width, k).transpose(1, 2).contiguous()
 
 
 class Linears:
@@ -72,6 +89,9 @@ class Linears:
     ``auto`` (``onednn`` on a CPU for float32, and for bfloat16 where the CPU has native bfloat16
     GEMMs; ``float32`` for steps of 2+ tokens on a CPU without them; else ``native``). Float64 and
     float16 models run natively; the head of a low-precision model always runs in float32.
+    Under ``auto`` on a CPU, C kernels take the small float32 products where oneDNN and torch are
+    slow: one row (decode at batch 1) by ``gemv.c`` on the weights as they are, 2 to 32 rows
+    (decode at batch 2-32) by ``small_gemm.c`` on a second packed copy (float32 models only).
     """
 
     def __init__(self, model: nn.Module, mode: MatmulMode = "auto"):
@@ -103,6 +123,11 @@ class Linears:
         gemv = mode == "auto" and p.device.type == "cpu" and (p.dtype == torch.float32 or self.upcast)
         lib = load_gemv() if gemv else "not used"
         self.gemv = None if isinstance(lib, str) else lib.gemv
+        # 2 to 32 float32 rows (decode at batch 2-32) through small_gemm.c, on panels packed beside
+        # oneDNN's copy
+        small = load_small_gemm() if mode == "auto" and self.onednn and p.dtype == torch.float32 else ""
+        self.small_gemm = None if isinstance(small, str) else small.small_gemm
+        self.panel_width = 0 if isinstance(small, str) else small.panel_width()
 
     @property
     def kind(self) -> str:
@@ -113,6 +138,7 @@ class Linears:
             kind = "native"
         else:
             kind = ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
+        kind += f", small_gemm (2-{SMALL_ROWS} rows)" if self.small_gemm is not None else ""
         return kind + (", gemv (1 row)" if self.gemv is not None else "")
 
     # ---- float32 GEMM of low-precision weights --------------------------------------------------
@@ -165,8 +191,9 @@ class Linears:
     # ---- oneDNN GEMMs on reordered weights ------------------------------------------------------
     @torch.no_grad()
     def _reordered(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype):
-        """The oneDNN copy of ``layers``' weights stacked (and their biases), in ``dtype``; redone when a
-        weight changed since (an in-place update bumps its version; a replaced one has a new address)."""
+        """The oneDNN copy of ``layers``' weights stacked, their biases, and the float32 panels for
+        ``small_gemm.c`` (or None), in ``dtype``; redone when a weight changed since (an in-place
+        update bumps its version; a replaced one has a new address)."""
         ws = [m.weight for m in layers]
         stamp = tuple((w.data_ptr(), w._version) for w in ws)
         key = tuple(id(m) for m in layers)
@@ -175,8 +202,10 @@ class Linears:
             with torch.inference_mode(False):  # kept across steps, in and out of inference mode
                 w = torch.cat([w.detach().to(dtype) for w in ws])
                 b = None if layers[0].bias is None else torch.cat([m.bias.detach().to(dtype) for m in layers])
-                hit = self._packs[key] = (stamp, torch.ops.mkldnn._reorder_linear_weight(w), b)
-        return hit[1], hit[2]
+                small = self.small_gemm is not None and dtype == torch.float32
+                p = panels(w, self.panel_width) if small else None
+                hit = self._packs[key] = (stamp, torch.ops.mkldnn._reorder_linear_weight(w), b, p)
+        return hit[1:]
 
     def prepare(self, model: nn.Module) -> None:
         """Under ``onednn``, reorder every weight now (at engine start) rather than in the first step."""
@@ -201,9 +230,24 @@ class Linears:
     def stacked(self, x: torch.Tensor, *layers: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The outputs of ``layers`` on ``x``, concatenated, from one oneDNN GEMM (see :meth:`stacks`)."""
         dtype = dtype or x.dtype
-        w, b = self._reordered(layers, dtype)
+        w, b, p = self._reordered(layers, dtype)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "").view(*x.shape[:-1], -1)
+        if p is not None and self.small_gemm is not None and x2.shape[0] <= SMALL_ROWS:
+            y = self.few_rows(x2, p, sum(m.out_features for m in layers), b)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+        return y.view(*x.shape[:-1], -1)
+
+    def few_rows(
+        self, x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [M, in] @ weight.T + bias`` for a few float32 rows by ``small_gemm.c`` on the weight's
+        ``panels``: the weights stream once while the arithmetic runs."""
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], n_out)
+        args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1]
+        traced("compactrl::small_gemm", self.small_gemm, *args, torch.get_num_threads())
+        return out if bias is None else out.add_(bias)
 
     # ---- layers -------------------------------------------------------------------------------
     def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:

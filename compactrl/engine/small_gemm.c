@@ -1,0 +1,85 @@
+/* A few rows through a linear layer: y [M, N] = x [M, K] @ w [N, K]^T, float32, for M of 2 to 32
+ * (decode at batch 2 to 32).
+ *
+ * At these sizes a GEMM needs about as long to read its weights from memory as to multiply them,
+ * and oneDNN's kernel does one after the other (on SmolLM2's layers at 8 rows it reads the weights
+ * at half a summing pass's rate). Here the weights are packed once into panels of NR output
+ * features, wp [ceil(N / NR), K, NR], so that one panel is one contiguous run of memory and the
+ * whole matrix one sequential stream. A tile of MR rows x NR features keeps its sums in 2 x MR
+ * vector registers and reads one panel line (NR floats) per k; the tiles of a panel share out
+ * prefetching the next panel (tile t asks for its lines k with k % T == t), so the reads of panel
+ * p + 1 run under the arithmetic on panel p. Each output is one float32 sum in k order, the same
+ * for any thread count. x and y contiguous; panels shared out with OpenMP when threads > 1.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define NR (2 * LANES)
+#define MR 6 /* 12 accumulators and 2 weight vectors: 14 of AVX2's 16 registers */
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t N,
+                                                       int64_t K, int64_t n0, const int mr, const float *next,
+                                                       int64_t t, int64_t T) {
+    vf a[MR], b[MR];
+    for (int m = 0; m < MR; m++) a[m] = b[m] = (vf){0};
+    int64_t c = t; /* c == 0 exactly when k % T == t, without a division per k */
+    for (int64_t k = 0; k < K; k++) {
+        vf wa = load(w + k * NR), wb = load(w + k * NR + LANES);
+#if defined(__x86_64__)
+        __asm__("" : "+x"(wa), "+x"(wb)); /* in registers: GCC would reload them for every row */
+#endif
+        if (next && c == 0) __builtin_prefetch(next + k * NR, 0, 1);
+        c = c ? c - 1 : T - 1;
+        for (int m = 0; m < mr; m++) {
+            float s = x[m * K + k];
+            vf xs = (vf){0} + s;
+            a[m] += xs * wa;
+            b[m] += xs * wb;
+        }
+    }
+    int64_t n = N - n0 < NR ? N - n0 : NR; /* the last panel may be partly padding */
+    for (int m = 0; m < mr; m++) {
+        float s[NR];
+        memcpy(s, &a[m], sizeof a[m]);
+        memcpy(s + LANES, &b[m], sizeof b[m]);
+        memcpy(y + m * N + n0, s, n * 4);
+    }
+}
+
+void small_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    int64_t P = (N + NR - 1) / NR, T = (M + MR - 1) / MR;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const float *w = wp + p * K * NR, *next = p + 1 < P ? w + K * NR : 0;
+        for (int64_t r = 0; r < M; r += MR) {
+            const float *xr = x + r * K;
+            float *yr = y + r * N;
+            switch (M - r < MR ? M - r : MR) { /* constant row counts: the row loop unrolls */
+            case 6: tile(xr, w, yr, N, K, p * NR, 6, next, r / MR, T); break;
+            case 5: tile(xr, w, yr, N, K, p * NR, 5, next, r / MR, T); break;
+            case 4: tile(xr, w, yr, N, K, p * NR, 4, next, r / MR, T); break;
+            case 3: tile(xr, w, yr, N, K, p * NR, 3, next, r / MR, T); break;
+            case 2: tile(xr, w, yr, N, K, p * NR, 2, next, r / MR, T); break;
+            default: tile(xr, w, yr, N, K, p * NR, 1, next, r / MR, T);
+            }
+        }
+    }
+}
+
+/* Output features per panel on this CPU: the packing in Python must use the same. */
+int panel_width(void) { return NR; }

@@ -1,0 +1,105 @@
+"""Decode-batch linear layers (2 to 32 rows): ``small_gemm.c`` against oneDNN, side by side in one run.
+
+  python scripts/small_gemm_ab.py [--rows 2 4 8 16 32] [--rounds 7] [--threads 1]
+                                  [--model runs/smollm2 [--batch 8 32] [--context 128]] [--out FILE]
+
+SmolLM2-135M's products as a decode step at ``rows`` sessions calls them: per layer the stacked
+q/k/v (960 x 576), o (576 x 576), stacked gate and up (3,072 x 576) and down (576 x 1,536), 30
+layers each with its own random float32 weights, and the head (49,152 x 576). Each round runs
+both over all of them (the order alternating); the JSON reports each one's median milliseconds,
+the weight bytes it reads per second, the speed-up over oneDNN (what the engine ran before), a
+summing pass's read bandwidth in the same run, and the kernel's largest error on one layer
+against float64, relative to the size of the products' terms.
+
+Whole decode steps (with ``--model``): ``--batch`` sessions of ``--context`` prompt tokens in one
+engine, blocks of 4 steps with ``small_gemm.c`` in use and without it (oneDNN, as before), taking
+turns; median milliseconds per step.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from compactrl.bench.engine import read_bandwidth
+from compactrl.bench.harness import decoding_engine, in_ms, interleaved, machine_info, medians, toggled_steps
+from compactrl.engine.linear import Linears, load_small_gemm, panels
+from compactrl.models.tiny import init_random, tiny_config
+
+LAYERS, D, FF, VOCAB = 30, 576, 1536, 49152
+SHAPES = [(960, D), (D, D), (2 * FF, D), (D, FF)]
+
+
+def products(rows: int, rounds: int) -> dict:
+    gen = torch.Generator().manual_seed(rows)
+    ws = [torch.randn(s, generator=gen) * 0.05 for _ in range(LAYERS) for s in SHAPES]
+    ws.append(torch.randn(VOCAB, D, generator=gen) * 0.05)
+    xs = {n: torch.randn(rows, n, generator=gen) for n in (D, FF)}
+    lin = Linears(init_random(tiny_config("llama", vocab_size=300, size="tiny"), seed=0), "auto")
+    if lin.small_gemm is None:
+        raise SystemExit(f"small_gemm.c is not used here: {load_small_gemm()}")
+    packs = [panels(w, lin.panel_width) for w in ws]
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+
+    def small_gemm():
+        for w, p in zip(ws, packs):
+            lin.few_rows(xs[w.shape[1]], p, w.shape[0], None)
+
+    def onednn():
+        for w, r in zip(ws, reordered):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], r, None, "none", [], "")
+
+    ms = interleaved({"small_gemm": in_ms(small_gemm), "onednn": in_ms(onednn)}, rounds, alternate=True)
+    step = medians(ms)
+    nbytes = sum(w.numel() * 4 for w in ws)
+    w, x = ws[3].double(), xs[FF].double()  # one down projection against float64
+    err = (lin.few_rows(xs[FF], packs[3], D, None).double() - x @ w.T).abs() / (x.abs() @ w.abs().T)
+    return {"rows": rows, "weight_bytes": nbytes, "ms": step,
+            "gb_per_s": {name: nbytes / t / 1e6 for name, t in step.items()},
+            "speed_up": step["onednn"] / step["small_gemm"],
+            "max_rel_err_vs_float64": float(err.max()), "rounds_ms": ms}  # fmt: skip
+
+
+def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
+    eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
+    kernel = eng.linears.small_gemm
+    if kernel is None:
+        raise SystemExit("the engine runs without small_gemm.c here")
+
+    def use(on: bool) -> None:
+        eng.linears.small_gemm = kernel if on else None
+
+    ms = toggled_steps(eng, {"small_gemm": lambda: use(True), "onednn": lambda: use(False)}, rounds, block)
+    use(True)
+    step = medians(ms)
+    return {"batch": batch, "context": context, "ms_per_step": step,
+            "speed_up": step["onednn"] / step["small_gemm"], "rounds_ms": ms}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None, help="also time whole decode steps of this model (runs/smollm2)")
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="sessions decoding, for the steps")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per session, for the steps")
+    p.add_argument("--out", default=None, help="write the JSON here")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    settings = [products(r, a.rounds) for r in a.rows]
+    for s in settings:
+        print(f"{s['rows']:3d} rows: ms {s['ms']} speed-up {s['speed_up']:.2f}")
+    whole = [steps(a.model, b, a.context, a.rounds) for b in a.batch] if a.model else []
+    for s in whole:
+        print(f"steps, batch {s['batch']:3d}: ms {s['ms_per_step']} speed-up {s['speed_up']:.2f}")
+    result = {"machine": machine_info(a.threads), "rounds": a.rounds, "read_gb_per_s": read_bandwidth() / 1e9,
+              "settings": settings, "model": a.model, "steps": whole}  # fmt: skip
+    print(f"summing pass reads {result['read_gb_per_s']:.1f} GB/s")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
