@@ -292,6 +292,7 @@ def verify_engine(
         "dtype": dtype,
         "device": str(device),
         "matmul": engine.linears.kind,
+        "one_call_steps": engine.decode_layers.calls,  # decode steps whose layers ran in decode_layers.c
         "sessions": len(sessions),
         "forks": len(sessions) - n_sessions,
         "tokens": sum(len(t) for t in traces),

@@ -28,6 +28,7 @@ import torch
 from compactrl.bench.harness import machine_info, markdown_table
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 from compactrl.engine.decode_attention import DecodeAttention
+from compactrl.engine.decode_layers import unsupported
 from compactrl.engine.linear import Linears
 from compactrl.models.loading import config_summary, load_model, resolve_dtype
 from compactrl.models.tiny import write_tiny_model
@@ -320,6 +321,7 @@ def run_engine_bench(
         "threads": threads,
         "matmul": lin.kind,
         "attention": DecodeAttention.of(ours).kind,
+        "decode_layers": unsupported(ours, lin, DecodeAttention.of(ours)) or "one call per decode step",
         "transformers": transformers.__version__,
         "settings": rows,
         "eviction": evictions,

@@ -149,7 +149,8 @@ def print_engine(result: dict) -> None:
         f"{result['model']} · {result['dtype']} · {result['device']} · GEMMs {result['matmul']}: "
         f"{result['sessions']} sessions ({result['forks']} forks), "
         f"{result['sampled_tokens']} sampled tokens, {result['evictions']} evictions, "
-        f"{result['preemptions']} preemptions"
+        f"{result['preemptions']} preemptions, {result['one_call_steps']} decode steps with every layer in "
+        "one call"
     )
     tol, kl_tol = result["tolerance"], result["kl_tolerance"]
     out.print(

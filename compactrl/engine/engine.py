@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from compactrl.engine.decode_attention import AttentionMode, DecodeAttention
+from compactrl.engine.decode_layers import DecodeLayers
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_book import KVBook
 from compactrl.engine.kv_cache import KVCache
@@ -85,6 +86,7 @@ class Engine:
         self.linears = Linears(model, self.config.matmul)
         self.linears.prepare(model)
         self.attention = DecodeAttention.of(model, self.config.attention)
+        self.decode_layers = DecodeLayers(model, self.linears, self.projections, self.attention)
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         c = self.config
         self.book = self.Book(self.kv, self.sessions, c.block_size, c.compact_holes)
@@ -237,7 +239,13 @@ class Engine:
             t0 = time.perf_counter()
             with adapter_mask(self.model, lambda: thread_tokens(feeds, self.kv.device)):
                 logits = forward_step(
-                    self.model, self.kv, feeds, self.projections, self.linears, self.attention
+                    self.model,
+                    self.kv,
+                    feeds,
+                    self.projections,
+                    self.linears,
+                    self.attention,
+                    self.decode_layers,
                 )
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):

@@ -63,6 +63,12 @@ class FusedProjection:
             self.head_norm = torch.tensor([0] * a.n_heads + [1] * a.n_kv, device=self.norms.device)
         self._ptrs = tuple(p.data_ptr() for p in self._params())
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed q/k/v weight and bias, repacked first if a parameter was replaced since."""
+        if tuple(p.data_ptr() for p in self._params()) != self._ptrs:
+            self._repack()
+        return self.weight, self.bias
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linears: Linears | None = None):
         """``x [N, d]``, ``cos, sin [N, head_dim]`` -> q ``[N, H, D]``, k and v ``[N, Hkv, D]``.
         ``linears`` picks the GEMM kernel for a low-precision model (see :mod:`compactrl.engine.linear`)."""
@@ -70,15 +76,14 @@ class FusedProjection:
         if not self.fusable:
             q, k, v = a.project(x[None], cos[None], sin[None])
             return q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
-        if tuple(p.data_ptr() for p in self._params()) != self._ptrs:
-            self._repack()
+        weight, bias = self.packed()
         H, Hkv, D = a.n_heads, a.n_kv, a.head_dim
         if linears is None:
-            qkv = F.linear(x, self.weight, self.bias)
+            qkv = F.linear(x, weight, bias)
         elif linears.stacks(a.q_proj, a.k_proj, a.v_proj, x=x):  # its own stacked copy, kept in step
             qkv = linears.stacked(x, a.q_proj, a.k_proj, a.v_proj)
         else:
-            qkv = linears.packed(x, self.weight, self.bias)
+            qkv = linears.packed(x, weight, bias)
         qkv = qkv.view(-1, H + 2 * Hkv, D)
         qk = qkv[:, : H + Hkv]
         if a.qk_norm:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from compactrl.engine.decode_attention import DecodeAttention
+from compactrl.engine.decode_layers import DecodeLayers
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kv_cache import KVCache
 from compactrl.engine.linear import Linears
@@ -110,10 +111,12 @@ def forward_step(
     projections: list[FusedProjection],
     linears: Linears | None = None,
     attention: DecodeAttention | None = None,
+    layers: DecodeLayers | None = None,
 ) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask.
     ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`);
-    ``attention`` the batched decode tokens' attention (SDPA when ``None``)."""
+    ``attention`` the batched decode tokens' attention (SDPA when ``None``); ``layers`` all layers
+    of a step of decode tokens only, in one call, where it applies."""
     device = kv.device
     lin = linears or Linears(model, "native")
     dec, rest = step_order(feeds)
@@ -160,7 +163,12 @@ def forward_step(
         kv.pos[f.row, f.entry : f.entry + f.n] = positions[o : o + f.n]
     x = model.model.embed_tokens(tokens)
     cos, sin = model.rope(positions[None], x.dtype)
-    for li, layer in enumerate(model.model.layers):
+    one_call = (
+        kernel and layers is not None and layers.applies(B, prefill=bool(rest), keep_queries=bool(capture))
+    )
+    if one_call:
+        layers(x, cos[0], sin[0], kv, d_rows, d_ent, d_len, length)
+    for li, layer in enumerate([] if one_call else model.model.layers):
         q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0], lin)  # [N, heads, D]
         for f in capture:  # only sessions with a token evictor pay for this
             end = offsets[id(f)] + f.n

@@ -1,0 +1,156 @@
+"""All layers of a float32 decode step in one C call (``decode_layers.c``).
+
+A decode step of B single tokens runs each layer as ~25 small torch ops around its GEMMs and
+attention; on a CPU each op costs microseconds of Python and dispatch whatever its size, about
+0.3 ms a layer, a quarter of a SmolLM2 step at batch 1 to 8. The C loop does the same arithmetic
+(RMSNorm, q/k/v with bias, rotate-half RoPE, the cache writes, SwiGLU, residual adds) and calls
+the engine's own GEMM and attention kernels, so it computes what the torch path computes, up to
+float32 rounding order (tested against it; ``verify engine`` gates it on real checkpoints).
+
+It takes the steps the kernels cover: CPU, float32, every feed one decode token (no prefill
+chunk in the step, no queries kept for a token evictor), 1 to 32 sessions, the attention kernel
+in use, and a model of plain layers (no q/k-norm, no MLP or o-projection bias, no adapter
+wrapped around a projection). Any other step runs the torch path, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compactrl.engine.decode_attention import DecodeAttention
+from compactrl.engine.fused import FusedProjection
+from compactrl.engine.kernels import compile_c, traced
+from compactrl.engine.kv_cache import KVCache
+from compactrl.engine.linear import SMALL_ROWS, Linears
+from compactrl.models.decoder import CausalLM, RMSNorm
+
+SLOTS = 10  # pointers per layer in the table, as decode_layers.c's enum orders them
+
+
+@cache
+def load_decode_layers() -> ctypes.CDLL | str:
+    """The compiled loop, or the reason there is none (no C compiler, a failed build)."""
+    P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    args = [P, I64, I64, I64, I64, I64, I64, I64, F, P, P, P, P, P, P, I64, P, I64, I64, P, P, I, P, P, P]
+    return compile_c(Path(__file__).with_name("decode_layers.c"), {"decode_layers": (args, I)})
+
+
+def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -> str:
+    """Why the one-call decode cannot run this engine's steps ('' when it can)."""
+    p, c = next(model.parameters()), model.config
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return f"it runs float32 models on a CPU, this one is {p.dtype} on {p.device.type}"
+    if attention.kind != "kernel" or linears.gemv is None or linears.small_gemm is None:
+        return "it needs the decode attention, gemv and small_gemm kernels (they did not build here)"
+    if c.qk_norm or c.head_dim % 2:
+        return "q/k-norm models and odd head sizes run the torch path"
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms):
+            return "it takes RMSNorms with one eps"
+        if a.o_proj.bias is not None or any(
+            mm.bias is not None for mm in (m.gate_proj, m.up_proj, m.down_proj)
+        ):
+            return "it takes biases on q/k/v only"
+    lib = load_decode_layers()
+    return lib if isinstance(lib, str) else ""
+
+
+class DecodeLayers:
+    """Runs a decode step's layers in one call where :func:`unsupported` allows (``why`` says why not)."""
+
+    def __init__(self, model: CausalLM, linears: Linears, projections: list[FusedProjection], attention):
+        self.model, self.linears, self.projections = model, linears, projections
+        self.why = unsupported(model, linears, attention)
+        self.fn = None if self.why else load_decode_layers().decode_layers
+        kernels = () if self.why else (linears.gemv, linears.small_gemm, attention.lib.decode_attention)
+        self.kernels = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in kernels)  # C function pointers
+        attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+        self.slots = [(L.self_attn, n) for L in model.model.layers for n in attn]  # where an adapter would go
+        self.slots += [(L.mlp, n) for L in model.model.layers for n in mlp]
+        self.work, self.scratch = torch.empty(0), torch.empty(0)
+        self._table: tuple[tuple, torch.Tensor] | None = None
+        self.calls = 0  # steps run in one call
+
+    def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
+        """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
+        plain = all(type(getattr(m, n)) is nn.Linear for m, n in self.slots)  # adapters come and go
+        return (
+            self.fn is not None and 1 <= sessions <= SMALL_ROWS and not prefill and not keep_queries and plain
+        )
+
+    def _weights(self, one_row: bool) -> list[list[torch.Tensor | None]]:
+        """Per layer the tensors of decode_layers.c's table, K/V excepted (the modules' row-major
+        weights for one row, the panels of small_gemm.c for more)."""
+        out, f32 = [], torch.float32
+        for layer, proj in zip(self.model.model.layers, self.projections):
+            a, m = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = proj.packed()
+            if one_row:
+                w = [qkv_w, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+            else:
+                panels = [
+                    self.linears._reordered(g, f32)[2] for g in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,))
+                ]
+                panels += [self.linears._reordered((m.gate_proj, m.up_proj), f32)[2], None]
+                w = [*panels, self.linears._reordered((m.down_proj,), f32)[2]]
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            out.append([*norms, w[0], qkv_b, w[1], w[2], w[3], w[4]])
+        return out
+
+    def table(self, one_row: bool, kv: KVCache) -> torch.Tensor:
+        """The pointer table for this step, rebuilt when a weight or the cache moved or changed."""
+        params = [t for layer in self.model.model.layers for t in layer.parameters()]
+        key = (one_row, *((t.data_ptr(), t._version) for t in params), *(t.data_ptr() for t in kv.k + kv.v))
+        if self._table is None or self._table[0] != key:
+            ptrs = [
+                [0 if t is None else t.data_ptr() for t in ts] + [kv.k[li].data_ptr(), kv.v[li].data_ptr()]
+                for li, ts in enumerate(self._weights(one_row))
+            ]
+            self._table = key, torch.tensor(ptrs, dtype=torch.int64)
+        return self._table[1]
+
+    @torch.no_grad()
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, rows, ents, lens, longest
+    ):
+        """Every layer on ``x [B, d]`` (float32, in place; returned), one token per session at cache
+        ``rows [B]`` entry ``ents [B]``, attending to entries ``[0, lens[b])``; ``cos, sin [B, D]``."""
+        c = self.model.config
+        B, d, H, Hkv, D, Fd = (
+            x.shape[0],
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+        )
+        threads = torch.get_num_threads()
+        work = B * (2 * d + (2 * H + 2 * Hkv) * D + 2 * Fd)
+        if self.work.numel() < work:
+            self.work = torch.empty(work)
+        if self.scratch.numel() < threads * (H // Hkv) * longest:  # grows to the longest row seen, then stays
+            self.scratch = torch.empty(threads * (H // Hkv) * longest)
+        table = self.table(B == 1, kv)
+        eps = self.model.model.layers[0].input_layernorm.eps
+        assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv.valid.is_contiguous()
+        args = (
+            x.data_ptr(), B, c.num_hidden_layers, d, H, Hkv, D, Fd, eps, table.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), rows.data_ptr(), ents.data_ptr(), lens.data_ptr(), longest, kv.valid.data_ptr(),
+            kv.valid.shape[1], kv.k[0].shape[2], self.work.data_ptr(), self.scratch.data_ptr(), threads,
+            *self.kernels,
+        )  # fmt: skip
+        err = traced("compactrl::decode_layers", self.fn, *args)
+        self.calls += 1
+        assert err == 0, (
+            "",
+            "G or D past the attention kernel's bounds",
+            "a row longer than longest or the cache",
+        )[err]
+        return x

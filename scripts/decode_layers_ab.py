@@ -1,0 +1,59 @@
+"""Whole decode steps with all layers in one C call (``decode_layers.c``) and without (the torch
+path around the same kernels), inside one engine, blocks of 4 steps taking turns.
+
+  python scripts/decode_layers_ab.py --model runs/smollm2 [--batch 1 8 32] [--context 128 1024]
+                                     [--rounds 7] [--threads 1] [--out FILE]
+
+``--batch`` sessions of ``--context`` prompt tokens; median milliseconds per step of each arm and
+the speed-up. Toggling inside one engine keeps the cache, the process and the minute the same for
+both arms, which runs in separate processes (``scripts/decode_ab.py``) cannot.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from compactrl.bench.harness import decoding_engine, machine_info, medians, toggled_steps
+
+
+def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
+    eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
+    layers = eng.decode_layers
+    if layers.why:
+        raise SystemExit(f"the engine runs without decode_layers.c here: {layers.why}")
+
+    def use(on: bool) -> None:
+        eng.decode_layers = layers if on else None
+
+    ms = toggled_steps(eng, {"one_call": lambda: use(True), "torch": lambda: use(False)}, rounds, block)
+    use(True)
+    step = medians(ms)
+    return {"batch": batch, "context": context, "ms_per_step": step,
+            "speed_up": step["torch"] / step["one_call"], "rounds_ms": ms}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a model folder (runs/smollm2)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, nargs="+", default=[128, 1024])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="write the JSON here")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    whole = []
+    for c in a.context:
+        for b in a.batch:
+            whole.append(steps(a.model, b, c, a.rounds))
+            s = whole[-1]
+            print(f"batch {b:3d} context {c:5d}: ms {s['ms_per_step']} speed-up {s['speed_up']:.2f}")
+    result = {"machine": machine_info(a.threads), "rounds": a.rounds, "model": a.model, "steps": whole}
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

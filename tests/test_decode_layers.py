@@ -1,0 +1,126 @@
+"""Every layer of a decode step in one C call (decode_layers.c) against the torch path it replaces."""
+
+import pytest
+import torch
+from torch import nn
+
+from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.engine.linear import SMALL_ROWS
+from compactrl.models.tiny import init_random, tiny_config
+
+
+def lm(family: str = "llama", dtype=torch.float32):
+    return init_random(tiny_config(family, vocab_size=300, eos_token_id=[1]), seed=0).to(dtype).eval()
+
+
+def decode(model, sessions: int, one_call: bool, corrupt=None):
+    """Tokens, generated log-probs and the cache after decoding 10 tokens in ``sessions`` sessions, some
+    with holes; ``corrupt`` wraps the one-call path's arguments (a negative control)."""
+    eng = Engine(model, None, EngineConfig())
+    if eng.decode_layers.why:
+        pytest.skip(eng.decode_layers.why)
+    layers = eng.decode_layers
+    if not one_call:
+        eng.decode_layers = None
+    elif corrupt is not None:
+        call = layers.__call__
+        eng.decode_layers = lambda *a: call(*corrupt(*a))
+        eng.decode_layers.applies = layers.applies
+    ss = [eng.session() for _ in range(sessions)]
+    for k, s in enumerate(ss):
+        s.append([(11 * k + i) % 300 for i in range(12 + 5 * k)])
+        if k % 2:
+            s.evict([(2, 5 + k)])  # holes in some rows
+        params = SamplingParams(max_tokens=10, temperature=0.8, seed=k, ignore_eos=True, model_logprobs=True)
+        s.generate(params)
+    eng.run()
+    out = [(s.tokens, torch.tensor(s.model_logprobs[-10:])) for s in ss]
+    return out, [k.clone() for k in eng.kv.k + eng.kv.v], layers.calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q/k/v
+@pytest.mark.parametrize("sessions", [1, 5])  # gemv.c and small_gemm.c inside
+def test_one_call_decodes_what_the_torch_path_decodes(family, sessions):
+    model = lm(family)
+    fast, fast_cache, calls = decode(model, sessions, one_call=True)
+    slow, slow_cache, _ = decode(model, sessions, one_call=False)
+    assert calls >= 9  # every decode step after the first took the one call
+    for (tf, lf), (ts, ls) in zip(fast, slow):
+        assert tf == ts and (lf - ls).abs().max() < 1e-5
+    for a, b in zip(fast_cache, slow_cache):  # the K/V it wrote, holes included
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_token_written_to_the_wrong_cache_entry_is_seen():
+    """Negative control: the comparison above catches a one-call path that misplaces K/V."""
+    model = lm()
+    slow, _, _ = decode(model, 3, one_call=False)
+
+    def shifted(x, cos, sin, kv, rows, ents, lens, longest):
+        return x, cos, sin, kv, rows, ents + 1, lens, longest  # written one entry late, never attended
+
+    bad, _, _ = decode(model, 3, one_call=True, corrupt=shifted)
+    assert max((lb - ls).abs().max() for (_, lb), (_, ls) in zip(bad, slow)) > 1e-2
+
+
+def test_steps_it_does_not_cover_run_the_torch_path():
+    model = lm()
+    eng = Engine(model, None, EngineConfig())
+    layers = eng.decode_layers
+    if layers.why:
+        pytest.skip(layers.why)
+    assert layers.applies(1, prefill=False, keep_queries=False)
+    assert layers.applies(SMALL_ROWS, prefill=False, keep_queries=False)
+    assert not layers.applies(SMALL_ROWS + 1, prefill=False, keep_queries=False)  # oneDNN's sizes
+    assert not layers.applies(4, prefill=True, keep_queries=False)
+    assert not layers.applies(4, prefill=False, keep_queries=True)  # a token evictor reads the queries
+
+    class Adapter(nn.Module):  # what a LoRA injection puts in a projection's place
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def forward(self, x):
+            return self.base(x)
+
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj = Adapter(mlp.up_proj)
+    assert not layers.applies(4, prefill=False, keep_queries=False)
+    mlp.up_proj = mlp.up_proj.base
+    assert layers.applies(4, prefill=False, keep_queries=False)
+
+
+def test_models_it_does_not_cover_say_why():
+    for model, why in [(lm("qwen3"), "q/k-norm"), (lm(dtype=torch.bfloat16), "float32")]:
+        eng = Engine(model, None, EngineConfig())
+        layers = eng.decode_layers
+        assert why in layers.why and not layers.applies(2, prefill=False, keep_queries=False)
+
+
+@pytest.mark.parametrize("sessions", [1, 3])
+def test_an_in_place_weight_update_reaches_the_one_call_path(sessions):
+    got = {}
+    for one_call in (True, False):
+        model = lm()
+        eng = Engine(model, None, EngineConfig())
+        if eng.decode_layers.why:
+            pytest.skip(eng.decode_layers.why)
+        layers = eng.decode_layers
+        if not one_call:
+            eng.decode_layers = None
+        ss = [eng.session() for _ in range(sessions)]
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, model_logprobs=True)
+        for k, s in enumerate(ss):
+            s.append([(7 * k + i) % 300 for i in range(9)])
+            s.generate(greedy)
+        eng.run()
+        with torch.no_grad():  # an optimizer step on the shared model: nothing tells the engine
+            model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+            model.model.layers[1].self_attn.k_proj.weight.mul_(1.5)
+        for s in ss:
+            s.generate(greedy)
+        eng.run()
+        got[one_call] = [torch.tensor(s.model_logprobs[-8:]) for s in ss], layers.calls
+    assert got[True][1] >= 6
+    for a, b in zip(got[True][0], got[False][0]):
+        assert (a - b).abs().max() < 1e-5
