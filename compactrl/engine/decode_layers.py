@@ -72,18 +72,22 @@ class DecodeLayers:
         kernels = () if self.why else (linears.gemv, linears.small_gemm, attention.lib.decode_attention)
         self.kernels = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in kernels)  # C function pointers
         attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-        self.slots = [(L.self_attn, n) for L in model.model.layers for n in attn]  # where an adapter would go
-        self.slots += [(L.mlp, n) for L in model.model.layers for n in mlp]
+        norms = ("input_layernorm", "post_attention_layernorm")
+        # where an adapter would go, as (a parent's submodule dict, name): nn.Module's getattr is slow
+        self.slots = [(L.self_attn._modules, n) for L in model.model.layers for n in attn]
+        self.slots += [(L.mlp._modules, n) for L in model.model.layers for n in mlp]
+        self.slots += [(L._modules, n) for L in model.model.layers for n in norms]
         self.work, self.scratch = torch.empty(0), torch.empty(0)
         self._table: tuple[tuple, torch.Tensor] | None = None
         self.calls = 0  # steps run in one call
+        self._modules: list[nn.Module] = []  # the layers' linear and norm modules, as applies() last saw them
 
     def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
         """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
-        plain = all(type(getattr(m, n)) is nn.Linear for m, n in self.slots)  # adapters come and go
-        return (
-            self.fn is not None and 1 <= sessions <= SMALL_ROWS and not prefill and not keep_queries and plain
-        )
+        if self.fn is None or not 1 <= sessions <= SMALL_ROWS or prefill or keep_queries:
+            return False
+        self._modules = [d[n] for d, n in self.slots]  # as they are now: adapters come and go
+        return all(type(m) in (nn.Linear, RMSNorm) for m in self._modules)
 
     def _weights(self, one_row: bool) -> list[list[torch.Tensor | None]]:
         """Per layer the tensors of decode_layers.c's table, K/V excepted (the modules' row-major
@@ -106,7 +110,7 @@ class DecodeLayers:
 
     def table(self, one_row: bool, kv: KVCache) -> torch.Tensor:
         """The pointer table for this step, rebuilt when a weight or the cache moved or changed."""
-        params = [t for layer in self.model.model.layers for t in layer.parameters()]
+        params = [t for m in self._modules for t in m._parameters.values() if t is not None]  # as applies saw
         key = (one_row, *((t.data_ptr(), t._version) for t in params), *(t.data_ptr() for t in kv.k + kv.v))
         if self._table is None or self._table[0] != key:
             ptrs = [
