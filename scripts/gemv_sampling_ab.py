@@ -19,7 +19,8 @@ median milliseconds per call and whether both drew the same tokens.
 Whole decode steps (with ``--model``): ``--batch`` sessions of ``--context`` prompt tokens in one
 engine, decoding in blocks of 4 steps with both kernels in use and with both off (torch's
 product and the torch sampling path, as before them), the blocks taking turns; median
-milliseconds per step. Toggling inside one engine keeps the cache, the process and the minute the
+milliseconds per step; the torch path around them (``decode_layers.c`` off, which would call gemv.c
+either way). Toggling inside one engine keeps the cache, the process and the minute the
 same for both, which whole runs in separate processes (``scripts/decode_ab.py``) cannot.
 """
 
@@ -112,6 +113,7 @@ def sampling(batch: int, rounds: int) -> dict:
 
 def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
     eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
+    eng.decode_layers = None  # the torch path around the kernels: what the arms differ in, and only that
     gemv, sample_rows = eng.linears.gemv, eng.sampler.kernel
     if gemv is None or sample_rows is None:
         raise SystemExit("the engine runs without gemv.c or sampling.c here")

@@ -1,6 +1,6 @@
 """Decode-batch linear layers (2 to 32 rows): ``small_gemm.c`` against oneDNN, side by side in one run.
 
-  python scripts/small_gemm_ab.py [--rows 2 4 8 16 32] [--rounds 7] [--threads 1]
+  python scripts/small_gemm_ab.py [--rows 2 4 8 16 32 64] [--rounds 7] [--threads 1]
                                   [--model runs/smollm2 [--batch 8 32] [--context 128]] [--out FILE]
 
 SmolLM2-135M's products as a decode step at ``rows`` sessions calls them: per layer the stacked
@@ -13,7 +13,8 @@ against float64, relative to the size of the products' terms.
 
 Whole decode steps (with ``--model``): ``--batch`` sessions of ``--context`` prompt tokens in one
 engine, blocks of 4 steps with ``small_gemm.c`` in use and without it (oneDNN, as before), taking
-turns; median milliseconds per step.
+turns; median milliseconds per step. The steps run the torch path (``decode_layers.c`` off, which
+would call the kernel either way), so the GEMMs are all the arms differ in.
 """
 
 import argparse
@@ -63,6 +64,7 @@ def products(rows: int, rounds: int) -> dict:
 
 def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
     eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
+    eng.decode_layers = None  # the torch path around the kernels: what the arms differ in, and only that
     kernel = eng.linears.small_gemm
     if kernel is None:
         raise SystemExit("the engine runs without small_gemm.c here")
@@ -79,7 +81,7 @@ def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None, help="also time whole decode steps of this model (runs/smollm2)")

@@ -84,7 +84,8 @@ class DecodeLayers:
 
     def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
         """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
-        if self.fn is None or not 1 <= sessions <= SMALL_ROWS or prefill or keep_queries:
+        product = self.linears.gemv if sessions == 1 else self.linears.small_gemm  # unless turned off since
+        if self.fn is None or product is None or not 1 <= sessions <= SMALL_ROWS or prefill or keep_queries:
             return False
         self._modules = [d[n] for d, n in self.slots]  # as they are now: adapters come and go
         return all(type(m) in (nn.Linear, RMSNorm) for m in self._modules)
