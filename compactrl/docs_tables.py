@@ -53,7 +53,8 @@ def _profile(result: str) -> str:
     """`scripts/profile_engine.py`: each step kind's share of the wall time, per setting and phase."""
     from compactrl.bench.harness import markdown_table
 
-    kinds = ["gemm", "attention", "elementwise", "copy/index", "sampling", "other", "python/dispatch"]
+    kinds = ["one call", "gemm", "attention", "elementwise", "copy/index", "sampling", "other"]
+    kinds.append("python/dispatch")
     rows = []
     for s in json.loads(Path(result).read_text())["settings"]:
         for phase in ("prefill", "decode"):

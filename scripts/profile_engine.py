@@ -7,7 +7,8 @@
 
 For each (batch, context): ``batch`` sessions of ``context`` prompt tokens are prefilled (profiled),
 then decode ``new-tokens`` tokens each (profiled). Each op's own CPU time is put in a kind (GEMMs,
-attention, elementwise, copies and indexing, sampling, other); what the ops do not account for of
+attention, elementwise, copies and indexing, sampling, other, and "one call": a decode step's
+layers in ``decode_layers.c``, products and attention inside); what the ops do not account for of
 the steps' wall time is Python and dispatch overhead. Without --model, a generated model of
 SmolLM2-135M's shape (random weights) is used, so the script runs anywhere.
 """
@@ -39,6 +40,7 @@ KINDS = {  # aten op -> kind (ops not named here count as "other")
     "copy/index": ("aten::copy_", "aten::index", "aten::index_select", "aten::index_put_", "aten::gather",
                    "aten::scatter_", "aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy",
                    "aten::embedding", "aten::fill_", "aten::zero_", "aten::empty", "aten::arange"),
+    "one call": ("compactrl::decode_layers",),  # every layer of a decode step: products, attention, the rest
     "sampling": ("aten::topk", "aten::multinomial", "aten::log_softmax", "aten::_log_softmax", "aten::sort",
                  "aten::argmax", "aten::cumsum", "compactrl::sample_rows"),
 }  # fmt: skip

@@ -27,6 +27,7 @@ AttentionMode = Literal["auto", "kernel", "sdpa"]
 SOURCE = Path(__file__).with_name("decode_attention.c")
 MAX_G, MAX_D = 16, 256  # the C kernel's fixed bounds on query heads per KV head and head size
 DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_ERRORS = ("", "G or D past the kernel's bounds", "a row longer than longest or the cache")  # by code
 
 
 @cache
@@ -88,5 +89,4 @@ class DecodeAttention:
             int(q.dtype == torch.bfloat16), self.scratch.data_ptr(), longest, threads,
         )  # fmt: skip
         err = traced("compactrl::decode_attention", self.lib.decode_attention, *args)
-        why = ("", "G or D past the kernel's bounds", "a row longer than longest or the cache")
-        assert err == 0, why[err]
+        assert err == 0, KERNEL_ERRORS[err]

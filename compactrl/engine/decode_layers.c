@@ -2,10 +2,11 @@
  *
  * Run from Python, a decode layer is ~25 small torch ops (norms, RoPE, cache writes, SwiGLU,
  * residual adds) around its GEMMs and attention, each costing microseconds of dispatch whatever
- * its size: about 0.3 ms a layer, a quarter of a step at batch 1 to 8 on SmolLM2. Here the same
- * arithmetic runs as plain loops, and the GEMMs and attention are the engine's own kernels,
- * passed in as function pointers (gemv.c for one row, small_gemm.c for 2 to 32, decode_attention.c),
- * so each C file stays self-contained. Per layer, as the torch path does it:
+ * its size: 0.4 to 0.9 ms a layer, a quarter to a third of a step at batch 1 to 8 on SmolLM2
+ * (docs/engine_speed.md). Here the same arithmetic runs as plain loops, and the GEMMs and
+ * attention are the engine's own kernels, passed in as function pointers (gemv.c for one row,
+ * small_gemm.c for 2 to 32, decode_attention.c), so each C file stays self-contained. Per layer,
+ * as the torch path does it:
  *
  *   h = rmsnorm(x) * w_in;  q, k, v = h @ Wqkv^T (+ b);  RoPE (rotate-half) on q and k;
  *   k, v -> cache row rows[b], entry ents[b];  a = attention(q, cache);  x += a @ Wo^T;

@@ -2,10 +2,11 @@
 
 A decode step of B single tokens runs each layer as ~25 small torch ops around its GEMMs and
 attention; on a CPU each op costs microseconds of Python and dispatch whatever its size, about
-0.3 ms a layer, a quarter of a SmolLM2 step at batch 1 to 8. The C loop does the same arithmetic
-(RMSNorm, q/k/v with bias, rotate-half RoPE, the cache writes, SwiGLU, residual adds) and calls
-the engine's own GEMM and attention kernels, so it computes what the torch path computes, up to
-float32 rounding order (tested against it; ``verify engine`` gates it on real checkpoints).
+0.4 to 0.9 ms a layer, a quarter to a third of a SmolLM2 step at batch 1 to 8. The C loop does
+the same arithmetic (RMSNorm, q/k/v with bias, rotate-half RoPE, the cache writes, SwiGLU,
+residual adds) and calls the engine's own GEMM and attention kernels, so it computes what the
+torch path computes, up to float32 rounding order (tested against it; ``verify engine`` gates it
+on real checkpoints).
 
 It takes the steps the kernels cover: CPU, float32, every feed one decode token (no prefill
 chunk in the step, no queries kept for a token evictor), 1 to 32 sessions, the attention kernel
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compactrl.engine.decode_attention import DecodeAttention
+from compactrl.engine.decode_attention import KERNEL_ERRORS, DecodeAttention
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kernels import compile_c, traced
 from compactrl.engine.kv_cache import KVCache
@@ -65,7 +66,13 @@ def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -
 class DecodeLayers:
     """Runs a decode step's layers in one call where :func:`unsupported` allows (``why`` says why not)."""
 
-    def __init__(self, model: CausalLM, linears: Linears, projections: list[FusedProjection], attention):
+    def __init__(
+        self,
+        model: CausalLM,
+        linears: Linears,
+        projections: list[FusedProjection],
+        attention: DecodeAttention,
+    ):
         self.model, self.linears, self.projections = model, linears, projections
         self.why = unsupported(model, linears, attention)
         self.fn = None if self.why else load_decode_layers().decode_layers
@@ -128,16 +135,9 @@ class DecodeLayers:
         """Every layer on ``x [B, d]`` (float32, in place; returned), one token per session at cache
         ``rows [B]`` entry ``ents [B]``, attending to entries ``[0, lens[b])``; ``cos, sin [B, D]``."""
         c = self.model.config
-        B, d, H, Hkv, D, Fd = (
-            x.shape[0],
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.intermediate_size,
-        )
+        B, H, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         threads = torch.get_num_threads()
-        work = B * (2 * d + (2 * H + 2 * Hkv) * D + 2 * Fd)
+        work = B * (2 * c.hidden_size + (2 * H + 2 * Hkv) * D + 2 * c.intermediate_size)
         if self.work.numel() < work:
             self.work = torch.empty(work)
         if self.scratch.numel() < threads * (H // Hkv) * longest:  # grows to the longest row seen, then stays
@@ -146,16 +146,12 @@ class DecodeLayers:
         eps = self.model.model.layers[0].input_layernorm.eps
         assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv.valid.is_contiguous()
         args = (
-            x.data_ptr(), B, c.num_hidden_layers, d, H, Hkv, D, Fd, eps, table.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), rows.data_ptr(), ents.data_ptr(), lens.data_ptr(), longest, kv.valid.data_ptr(),
-            kv.valid.shape[1], kv.k[0].shape[2], self.work.data_ptr(), self.scratch.data_ptr(), threads,
-            *self.kernels,
+            x.data_ptr(), B, c.num_hidden_layers, c.hidden_size, H, Hkv, D, c.intermediate_size, eps,
+            table.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.data_ptr(), ents.data_ptr(),
+            lens.data_ptr(), longest, kv.valid.data_ptr(), kv.valid.shape[1], kv.k[0].shape[2],
+            self.work.data_ptr(), self.scratch.data_ptr(), threads, *self.kernels,
         )  # fmt: skip
         err = traced("compactrl::decode_layers", self.fn, *args)
         self.calls += 1
-        assert err == 0, (
-            "",
-            "G or D past the attention kernel's bounds",
-            "a row longer than longest or the cache",
-        )[err]
+        assert err == 0, KERNEL_ERRORS[err]
         return x
