@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from compactrl.bench.harness import decoding_engine, machine_info, medians, toggled_steps
+from compactrl.bench.harness import decoding_engine, machine_info, toggled_steps
 
 
-def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
-    eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
+def steps(model: str, batch: int, context: int, rounds: int) -> dict:
+    eng = decoding_engine(model, batch, context, rounds)
     layers = eng.decode_layers
     if layers.why:
         raise SystemExit(f"the engine runs without decode_layers.c here: {layers.why}")
@@ -27,11 +27,7 @@ def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> 
     def use(on: bool) -> None:
         eng.decode_layers = layers if on else None
 
-    ms = toggled_steps(eng, {"one_call": lambda: use(True), "torch": lambda: use(False)}, rounds, block)
-    use(True)
-    step = medians(ms)
-    return {"batch": batch, "context": context, "ms_per_step": step,
-            "speed_up": step["torch"] / step["one_call"], "rounds_ms": ms}  # fmt: skip
+    return {"batch": batch, "context": context, **toggled_steps(eng, use, "one_call", "torch", rounds)}
 
 
 def main() -> None:

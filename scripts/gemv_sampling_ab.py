@@ -111,8 +111,8 @@ def sampling(batch: int, rounds: int) -> dict:
             "same_tokens": bool(torch.equal(tokens["kernel"], tokens["torch"])), "rounds_ms": ms}  # fmt: skip
 
 
-def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
-    eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
+def steps(model: str, batch: int, context: int, rounds: int) -> dict:
+    eng = decoding_engine(model, batch, context, rounds)
     eng.decode_layers = None  # the torch path around the kernels: what the arms differ in, and only that
     gemv, sample_rows = eng.linears.gemv, eng.sampler.kernel
     if gemv is None or sample_rows is None:
@@ -121,11 +121,7 @@ def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> 
     def use(on: bool) -> None:
         eng.linears.gemv, eng.sampler.kernel = (gemv, sample_rows) if on else (None, None)
 
-    ms = toggled_steps(eng, {"kernels": lambda: use(True), "torch": lambda: use(False)}, rounds, block)
-    use(True)
-    step = medians(ms)
-    return {"batch": batch, "context": context, "ms_per_step": step,
-            "speed_up": step["torch"] / step["kernels"], "rounds_ms": ms}  # fmt: skip
+    return {"batch": batch, "context": context, **toggled_steps(eng, use, "kernels", "torch", rounds)}
 
 
 def main() -> None:

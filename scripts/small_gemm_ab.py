@@ -62,9 +62,9 @@ def products(rows: int, rounds: int) -> dict:
             "max_rel_err_vs_float64": float(err.max()), "rounds_ms": ms}  # fmt: skip
 
 
-def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> dict:
-    eng = decoding_engine(model, batch, context, (2 * rounds + 2) * block + 2)
-    eng.decode_layers = None  # the torch path around the kernels: what the arms differ in, and only that
+def steps(model: str, batch: int, context: int, rounds: int) -> dict:
+    eng = decoding_engine(model, batch, context, rounds)
+    eng.decode_layers = None  # the torch path around the kernel: what the arms differ in, and only that
     kernel = eng.linears.small_gemm
     if kernel is None:
         raise SystemExit("the engine runs without small_gemm.c here")
@@ -72,11 +72,7 @@ def steps(model: str, batch: int, context: int, rounds: int, block: int = 4) -> 
     def use(on: bool) -> None:
         eng.linears.small_gemm = kernel if on else None
 
-    ms = toggled_steps(eng, {"small_gemm": lambda: use(True), "onednn": lambda: use(False)}, rounds, block)
-    use(True)
-    step = medians(ms)
-    return {"batch": batch, "context": context, "ms_per_step": step,
-            "speed_up": step["onednn"] / step["small_gemm"], "rounds_ms": ms}  # fmt: skip
+    return {"batch": batch, "context": context, **toggled_steps(eng, use, "small_gemm", "onednn", rounds)}
 
 
 def main() -> None:

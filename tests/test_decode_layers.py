@@ -13,16 +13,22 @@ def lm(family: str = "llama", dtype=torch.float32):
     return init_random(tiny_config(family, vocab_size=300, eos_token_id=[1]), seed=0).to(dtype).eval()
 
 
+def engine(model, one_call: bool = True):
+    """An engine on ``model`` and its one-call path, which the engine uses only if ``one_call``."""
+    eng = Engine(model, None, EngineConfig())
+    layers = eng.decode_layers
+    if layers.why:
+        pytest.skip(layers.why)
+    if not one_call:
+        eng.decode_layers = None
+    return eng, layers
+
+
 def decode(model, sessions: int, one_call: bool, corrupt=None):
     """Tokens, generated log-probs and the cache after decoding 10 tokens in ``sessions`` sessions, some
     with holes; ``corrupt`` wraps the one-call path's arguments (a negative control)."""
-    eng = Engine(model, None, EngineConfig())
-    if eng.decode_layers.why:
-        pytest.skip(eng.decode_layers.why)
-    layers = eng.decode_layers
-    if not one_call:
-        eng.decode_layers = None
-    elif corrupt is not None:
+    eng, layers = engine(model, one_call)
+    if one_call and corrupt is not None:
         call = layers.__call__
         eng.decode_layers = lambda *a: call(*corrupt(*a))
         eng.decode_layers.applies = layers.applies
@@ -65,10 +71,7 @@ def test_a_token_written_to_the_wrong_cache_entry_is_seen():
 
 def test_steps_it_does_not_cover_run_the_torch_path():
     model = lm()
-    eng = Engine(model, None, EngineConfig())
-    layers = eng.decode_layers
-    if layers.why:
-        pytest.skip(layers.why)
+    _, layers = engine(model)
     assert layers.applies(1, prefill=False, keep_queries=False)
     assert layers.applies(SMALL_ROWS, prefill=False, keep_queries=False)
     assert not layers.applies(SMALL_ROWS + 1, prefill=False, keep_queries=False)  # oneDNN's sizes
@@ -102,12 +105,7 @@ def test_an_in_place_weight_update_reaches_the_one_call_path(sessions):
     got = {}
     for one_call in (True, False):
         model = lm()
-        eng = Engine(model, None, EngineConfig())
-        if eng.decode_layers.why:
-            pytest.skip(eng.decode_layers.why)
-        layers = eng.decode_layers
-        if not one_call:
-            eng.decode_layers = None
+        eng, layers = engine(model, one_call)
         ss = [eng.session() for _ in range(sessions)]
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, model_logprobs=True)
         for k, s in enumerate(ss):

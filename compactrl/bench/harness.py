@@ -75,16 +75,16 @@ def in_ms(fn: Callable[[], object], per: int = 1) -> Callable[[], float]:
     return run
 
 
-def decoding_engine(model: str, batch: int, context: int, steps: int):
+def decoding_engine(model: str, batch: int, context: int, rounds: int, block: int = 4):
     """An engine on the checkpoint ``model`` with ``batch`` sessions of ``context`` prompt tokens,
-    prefilled and each set to decode ``steps`` more (EOS ignored): for A/Bs that toggle a kernel
-    between blocks of :meth:`Engine.step` calls, which keeps the cache, the process and the minute
-    the same for both arms, as runs in separate processes cannot."""
+    prefilled and each set to decode enough tokens (EOS ignored) for :func:`toggled_steps` over
+    ``rounds`` rounds of ``block`` steps per arm."""
     from compactrl.engine import Engine, EngineConfig
     from compactrl.engine.sampling import SamplingParams
     from compactrl.models.loading import load_model
 
     lm = load_model(model)
+    steps = (2 * rounds + 2) * block + 2  # two arms, a warm-up round, two spare
     eng = Engine(lm, None, EngineConfig(kv_pool_tokens=batch * (context + steps + 8), max_step_tokens=2048))
     sessions = [eng.session() for _ in range(batch)]
     for k, s in enumerate(sessions):
@@ -95,21 +95,23 @@ def decoding_engine(model: str, batch: int, context: int, steps: int):
     return eng
 
 
-def toggled_steps(
-    eng, arms: dict[str, Callable[[], None]], rounds: int, block: int = 4
-) -> dict[str, list[float]]:
-    """Milliseconds per decode step of ``eng`` under each arm (a function that sets the engine up for
-    it), blocks of ``block`` steps taking turns, ``rounds`` rounds (:func:`interleaved`); ``eng``
-    needs ``(2 * rounds + 2) * block`` steps left per arm pair."""
+def toggled_steps(eng, use: Callable[[bool], None], on: str, off: str, rounds: int, block: int = 4) -> dict:
+    """Decode steps of ``eng`` (from :func:`decoding_engine`) with a kernel in use (arm ``on``,
+    ``use(True)``) and not (arm ``off``, ``use(False)``), blocks of ``block`` steps taking turns
+    (:func:`interleaved`); the kernel is left in use. Toggling inside one engine keeps the cache, the
+    process and the minute the same for both arms, as runs in separate processes cannot. Returns
+    the median milliseconds per step of each arm, ``on``'s speed-up and every round's times."""
 
-    def run(setup: Callable[[], None]) -> None:
-        setup()
+    def run(flag: bool) -> None:
+        use(flag)
         for _ in range(block):
             eng.step()
 
-    return interleaved(
-        {name: in_ms(lambda f=f: run(f), per=block) for name, f in arms.items()}, rounds, alternate=True
-    )
+    arms = {on: in_ms(lambda: run(True), per=block), off: in_ms(lambda: run(False), per=block)}
+    ms = interleaved(arms, rounds, alternate=True)
+    use(True)
+    step = medians(ms)
+    return {"ms_per_step": step, "speed_up": step[off] / step[on], "rounds_ms": ms}
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
