@@ -12,9 +12,9 @@ under one pool), ``engine`` (`compactrl bench engine` against transformers and v
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
 (`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
 ``attention`` (`scripts/attention_ab.py`), ``gemv``, ``sampling`` and ``kernel_steps``
-(`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/small_gemm_ab.py` and
-`scripts/decode_layers_ab.py`), ``small_gemm`` (`scripts/small_gemm_ab.py`), ``vllm_gemm``
-(`scripts/vllm_gemm_check.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
+(`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/panel_gemm_ab.py` and
+`scripts/decode_layers_ab.py`), ``panel_gemm`` and ``panel_prefill`` (`scripts/panel_gemm_ab.py`),
+``vllm_gemm`` (`scripts/vllm_gemm_check.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
 
@@ -121,17 +121,27 @@ def _sampling(result: str) -> str:
     return markdown_table(heads, rows)
 
 
-def _small_gemm(result: str) -> str:
-    """`scripts/small_gemm_ab.py`: decode-batch products over SmolLM2's weights, small_gemm.c against
-    oneDNN."""
+def _panel_gemm(result: str) -> str:
+    """`scripts/panel_gemm_ab.py`: SmolLM2's products at 2 to 1,024 rows, panel_gemm.c against oneDNN."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
-    names = ["small_gemm", "onednn"]
+    names = ["panel_gemm", "onednn"]
     rows = [[s["rows"], *(f"{s['ms'][k]:.1f}" for k in names), *(f"{s['gb_per_s'][k]:.1f}" for k in names),
-             f"{r['read_gb_per_s']:.1f}", f"{s['speed_up']:.2f}"] for s in r["settings"]]  # fmt: skip
-    heads = ["rows", "small_gemm.c ms", "oneDNN ms", "small_gemm.c GB/s", "oneDNN GB/s", "summing pass GB/s"]
-    return markdown_table([*heads, "small_gemm.c speed-up"], rows)
+             *(f"{s['gflop_per_s'][k]:.1f}" for k in names), f"{s['speed_up']:.2f}"]
+            for s in r["settings"]]  # fmt: skip
+    heads = ["rows", "panel_gemm.c ms", "oneDNN ms", "panel_gemm.c GB/s", "oneDNN GB/s"]
+    return markdown_table([*heads, "panel_gemm.c GFLOP/s", "oneDNN GFLOP/s", "panel_gemm.c speed-up"], rows)
+
+
+def _panel_prefill(result: str) -> str:
+    """`scripts/panel_gemm_ab.py --model`: whole prefills with oneDNN and with panel_gemm.c."""
+    from compactrl.bench.harness import markdown_table
+
+    rows = [[s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in ("onednn", "panel_gemm")),
+             f"{s['speed_up']:.2f}"] for s in json.loads(Path(result).read_text())["prefills"]]  # fmt: skip
+    heads = ["sessions", "prompt tokens", "prefill with oneDNN ms", "with panel_gemm.c ms", "speed-up"]
+    return markdown_table(heads, rows)
 
 
 def _vllm_gemm(result: str) -> str:
@@ -146,7 +156,7 @@ def _vllm_gemm(result: str) -> str:
 
 
 def _kernel_steps(result: str, arms: str = "torch,kernels") -> str:
-    """`scripts/gemv_sampling_ab.py --model` (or `small_gemm_ab.py --model`, ``arms=onednn,small_gemm``):
+    """`scripts/gemv_sampling_ab.py --model` (or `panel_gemm_ab.py --model`, ``arms=onednn,panel_gemm``):
     whole decode steps without and with the kernels, ``arms`` naming the two."""
     from compactrl.bench.harness import markdown_table
 
@@ -179,7 +189,8 @@ RENDERERS = {
     "gemv": _gemv,
     "sampling": _sampling,
     "kernel_steps": _kernel_steps,
-    "small_gemm": _small_gemm,
+    "panel_gemm": _panel_gemm,
+    "panel_prefill": _panel_prefill,
     "vllm_gemm": _vllm_gemm,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),

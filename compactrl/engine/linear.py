@@ -54,9 +54,6 @@ def has_native_low_precision_matmul(device: torch.device | str) -> bool:
     return onednn and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-SMALL_ROWS = 32  # small_gemm.c up to this many rows (decode batches); oneDNN beyond, where it wins
-
-
 @cache
 def load_gemv() -> ctypes.CDLL | str:
     """The one-row kernel (``gemv.c``), or the reason there is none (no C compiler, a failed build)."""
@@ -65,15 +62,15 @@ def load_gemv() -> ctypes.CDLL | str:
 
 
 @cache
-def load_small_gemm() -> ctypes.CDLL | str:
-    """The 2-to-32-row kernel (``small_gemm.c``), or the reason there is none."""
+def load_panel_gemm() -> ctypes.CDLL | str:
+    """The float32 GEMM on packed panels (``panel_gemm.c``), or the reason there is none."""
     P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    signatures = {"small_gemm": ([P, P, P, I64, I64, I64, I], None), "panel_width": ([], I)}
-    return compile_c(Path(__file__).with_name("small_gemm.c"), signatures)
+    signatures = {"panel_gemm": ([P, P, P, I64, I64, I64, I], None), "panel_width": ([], I)}
+    return compile_c(Path(__file__).with_name("panel_gemm.c"), signatures)
 
 
 def panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """``weight [N, K]`` as ``small_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded."""
+    """``weight [N, K]`` as ``panel_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded."""
     n, k = weight.shape
     return F.pad(weight, (0, 0, 0, -n % width)).view(-1, width, k).transpose(1, 2).contiguous()
 
@@ -89,9 +86,10 @@ class Linears:
     ``auto`` (``onednn`` on a CPU for float32, and for bfloat16 where the CPU has native bfloat16
     GEMMs; ``float32`` for steps of 2+ tokens on a CPU without them; else ``native``). Float64 and
     float16 models run natively; the head of a low-precision model always runs in float32.
-    Under ``auto`` on a CPU, C kernels take the small float32 products where oneDNN and torch are
-    slow: one row (decode at batch 1) by ``gemv.c`` on the weights as they are, 2 to 32 rows
-    (decode at batch 2-32) by ``small_gemm.c`` on a second packed copy (float32 models only).
+    Under ``auto`` on a CPU, C kernels take the float32 products: one row (decode at batch 1) by
+    ``gemv.c`` on the weights as they are, 2+ rows (decode batches, prefill chunks) by
+    ``panel_gemm.c`` on a packed copy in place of oneDNN's (float32 models only); oneDNN keeps
+    bfloat16 and ``mode="onednn"``.
     """
 
     def __init__(self, model: nn.Module, mode: MatmulMode = "auto"):
@@ -123,22 +121,23 @@ class Linears:
         gemv = mode == "auto" and p.device.type == "cpu" and (p.dtype == torch.float32 or self.upcast)
         lib = load_gemv() if gemv else "not used"
         self.gemv = None if isinstance(lib, str) else lib.gemv
-        # 2 to 32 float32 rows (decode at batch 2-32) through small_gemm.c, on panels packed beside
+        # 2+ float32 rows (decode batches, prefill) through panel_gemm.c, on panels packed instead of
         # oneDNN's copy
-        small = load_small_gemm() if mode == "auto" and self.onednn and p.dtype == torch.float32 else ""
-        self.small_gemm = None if isinstance(small, str) else small.small_gemm
-        self.panel_width = 0 if isinstance(small, str) else small.panel_width()
+        lib = load_panel_gemm() if mode == "auto" and self.onednn and p.dtype == torch.float32 else ""
+        self.panel_gemm = None if isinstance(lib, str) else lib.panel_gemm
+        self.panel_width = 0 if isinstance(lib, str) else lib.panel_width()
 
     @property
     def kind(self) -> str:
         """What runs the GEMMs, for reports."""
-        if self.onednn:
+        if self.panel_gemm is not None:
+            kind = "panel_gemm (2+ rows)"
+        elif self.onednn:
             kind = "onednn (prepacked)"
         elif not self.low_precision:
             kind = "native"
         else:
             kind = ("float32 (2+ rows)" if self.min_rows > 1 else "float32") if self.upcast else "native"
-        kind += f", small_gemm (2-{SMALL_ROWS} rows)" if self.small_gemm is not None else ""
         return kind + (", gemv (1 row)" if self.gemv is not None else "")
 
     # ---- float32 GEMM of low-precision weights --------------------------------------------------
@@ -188,27 +187,28 @@ class Linears:
         traced("compactrl::gemv", self.gemv, *args, torch.get_num_threads())
         return out if bias is None else out.add_(bias)
 
-    # ---- oneDNN GEMMs on reordered weights ------------------------------------------------------
+    # ---- stacked GEMMs on packed weights ----------------------------------------------------
     @torch.no_grad()
-    def _reordered(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype):
-        """The oneDNN copy of ``layers``' weights stacked, their biases, and the float32 panels for
-        ``small_gemm.c`` (or None), in ``dtype``; redone when a weight changed since (an in-place
-        update bumps its version; a replaced one has a new address)."""
+    def _stack(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype):
+        """``layers``' weights stacked and packed for the GEMM that runs them (``panel_gemm.c``'s
+        panels for float32 where it runs, oneDNN's reordered copy otherwise) and their bias, in
+        ``dtype``; redone when a weight changed since (an in-place update bumps its version; a
+        replaced one has a new address)."""
         ws = [m.weight for m in layers]
         stamp = tuple((w.data_ptr(), w._version) for w in ws)
-        key = tuple(id(m) for m in layers)
+        on_panels = self.panel_gemm is not None and dtype == torch.float32
+        key = (*(id(m) for m in layers), on_panels)
         hit = self._packs.get(key)
         if hit is None or hit[0] != stamp:
             with torch.inference_mode(False):  # kept across steps, in and out of inference mode
                 w = torch.cat([w.detach().to(dtype) for w in ws])
                 b = None if layers[0].bias is None else torch.cat([m.bias.detach().to(dtype) for m in layers])
-                small = self.small_gemm is not None and dtype == torch.float32
-                p = panels(w, self.panel_width) if small else None
-                hit = self._packs[key] = (stamp, torch.ops.mkldnn._reorder_linear_weight(w), b, p)
+                w = panels(w, self.panel_width) if on_panels else torch.ops.mkldnn._reorder_linear_weight(w)
+                hit = self._packs[key] = (stamp, w, b)
         return hit[1:]
 
     def prepare(self, model: nn.Module) -> None:
-        """Under ``onednn``, reorder every weight now (at engine start) rather than in the first step."""
+        """Under ``onednn``, pack every weight now (at engine start) rather than in the first step."""
         if not self.onednn:
             return
         for layer in model.model.layers:
@@ -216,37 +216,34 @@ class Linears:
             qkv = (a.q_proj, a.k_proj, a.v_proj)
             for group in (qkv, (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
                 if self.stacks(*group):
-                    self._reordered(group, group[0].weight.dtype)
+                    self._stack(group, group[0].weight.dtype)
         if self.stacks(model.lm_head):
-            self._reordered((model.lm_head,), torch.float32)
+            self._stack((model.lm_head,), torch.float32)
 
     def stacks(self, *layers: nn.Module, x: torch.Tensor | None = None) -> bool:
         """Whether :meth:`stacked` runs ``layers`` (on ``x``) as one GEMM: ``onednn``, plain linear
-        layers, and not a single float32 row, which torch's own matrix-vector product reads at the
-        memory's speed (on SmolLM2's layers, one core: 0.89x oneDNN's time)."""
+        layers, and not a single float32 row, which ``gemv.c`` or torch's own matrix-vector product
+        reads at the memory's speed (on SmolLM2's layers, one core: 0.89x oneDNN's time)."""
         one_row = x is not None and x.dtype == torch.float32 and x.numel() == x.shape[-1]
         return self.onednn and not one_row and all(type(m) is nn.Linear for m in layers)
 
     def stacked(self, x: torch.Tensor, *layers: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The outputs of ``layers`` on ``x``, concatenated, from one oneDNN GEMM (see :meth:`stacks`)."""
+        """The outputs of ``layers`` on ``x``, concatenated, from one GEMM (see :meth:`stacks`)."""
         dtype = dtype or x.dtype
-        w, b, p = self._reordered(layers, dtype)
+        w, b = self._stack(layers, dtype)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        if p is not None and self.small_gemm is not None and x2.shape[0] <= SMALL_ROWS:
-            y = self.few_rows(x2, p, sum(m.out_features for m in layers), b)
+        if self.panel_gemm is not None and dtype == torch.float32:
+            y = self.on_panels(x2, w, sum(m.out_features for m in layers), b)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
         return y.view(*x.shape[:-1], -1)
 
-    def few_rows(
-        self, x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``x [M, in] @ weight.T + bias`` for a few float32 rows by ``small_gemm.c`` on the weight's
-        ``panels``: the weights stream once while the arithmetic runs."""
+    def on_panels(self, x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None):
+        """``x [M, in] @ weight.T + bias`` in float32 by ``panel_gemm.c`` on the weight's ``panels``."""
         x = x.contiguous()
         out = x.new_empty(x.shape[0], n_out)
         args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1]
-        traced("compactrl::small_gemm", self.small_gemm, *args, torch.get_num_threads())
+        traced("compactrl::panel_gemm", self.panel_gemm, *args, torch.get_num_threads())
         return out if bias is None else out.add_(bias)
 
     # ---- layers -------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
-/* A few rows through a linear layer: y [M, N] = x [M, K] @ w [N, K]^T, float32, for M of 2 to 32
- * (decode at batch 2 to 32).
+/* A linear layer on packed weights: y [M, N] = x [M, K] @ w [N, K]^T, float32, for any M (the
+ * engine's float32 products of 2+ rows: decode batches and prefill chunks).
  *
- * At these sizes a GEMM needs about as long to read its weights from memory as to multiply them,
- * and oneDNN's kernel does one after the other (on SmolLM2's layers at 8 rows it reads the weights
- * at half a summing pass's rate). Here the weights are packed once into panels of NR output
- * features, wp [ceil(N / NR), K, NR], so that one panel is one contiguous run of memory and the
- * whole matrix one sequential stream. A tile of MR rows x NR features keeps its sums in 2 x MR
- * vector registers and reads one panel line (NR floats) per k; the tiles of a panel share out
- * prefetching the next panel (tile t asks for its lines k with k % T == t), so the reads of panel
- * p + 1 run under the arithmetic on panel p. Each output is one float32 sum in k order, the same
- * for any thread count. x and y contiguous; panels shared out with OpenMP when threads > 1.
+ * The weights are packed once into panels of NR output features, wp [ceil(N / NR), K, NR], so
+ * that one panel is one contiguous run of memory and the whole matrix one sequential stream. A
+ * tile of MR rows x NR features keeps its sums in 2 x MR vector registers and reads one panel line
+ * (NR floats) and MR inputs per k: 2 x MR FMAs for 2 + MR loads, which keeps the FMA units busy
+ * (the tile shape BLIS uses on AVX2). Few rows (decode) are bound by reading the weights: the
+ * tiles of a panel share out prefetching the next panel (tile t asks for its lines k with
+ * k % T == t), so the reads of panel p + 1 run under the arithmetic on panel p, where oneDNN's
+ * kernel does one after the other. Many rows (prefill) are bound by the arithmetic: each panel is
+ * read once for all of them, the inputs stay in L2. Each output is one float32 sum in k order, so
+ * a row's result does not depend on the thread count or on the other rows of the batch. x and y
+ * contiguous; panels shared out with OpenMP when threads > 1.
  */
 #include <stdint.h>
 #include <string.h>
@@ -61,7 +63,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     }
 }
 
-void small_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+void panel_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int threads) {
     int64_t P = (N + NR - 1) / NR, T = (M + MR - 1) / MR;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t p = 0; p < P; p++) {

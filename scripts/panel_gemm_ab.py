@@ -1,0 +1,144 @@
+"""The engine's float32 products of 2+ rows: ``panel_gemm.c`` against oneDNN, side by side in one run.
+
+  python scripts/panel_gemm_ab.py [--rows 2 4 8 16 32 64 128 1024] [--rounds 7] [--threads 1]
+                                  [--model runs/smollm2 [--batch 8 32] [--context 128]
+                                   [--prefill 1x128 8x128 1x1024]] [--out FILE]
+
+SmolLM2-135M's products as a step calls them at ``rows`` tokens: per layer the stacked q/k/v
+(960 x 576), o (576 x 576), stacked gate and up (3,072 x 576) and down (576 x 1,536), 30 layers
+each with its own random float32 weights, and the head (49,152 x 576). Each round runs both over
+all of them (the order alternating); the JSON reports each one's median milliseconds, the weight
+bytes it reads per second and its GFLOP/s, the speed-up over oneDNN (what the engine ran before),
+a summing pass's read bandwidth in the same run, and the kernel's largest error on one layer
+against float64, relative to the size of the products' terms.
+
+With ``--model``, whole steps in one engine with the kernel in use and without it (oneDNN, as
+before), taking turns: decode steps of ``--batch`` sessions of ``--context`` prompt tokens
+(blocks of 4 steps; the torch path, ``decode_layers.c`` off, which would call the kernel either
+way), and prefills of ``SESSIONSxTOKENS`` fresh prompts (``--prefill``, one timed ``run`` each);
+median milliseconds.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from compactrl.bench.engine import read_bandwidth
+from compactrl.bench.harness import decoding_engine, in_ms, interleaved, machine_info, medians, toggled_steps
+from compactrl.engine import Engine, EngineConfig
+from compactrl.engine.linear import Linears, load_panel_gemm, panels
+from compactrl.models.loading import load_model
+from compactrl.models.tiny import init_random, tiny_config
+
+LAYERS, D, FF, VOCAB = 30, 576, 1536, 49152
+SHAPES = [(960, D), (D, D), (2 * FF, D), (D, FF)]
+
+
+def products(rows: int, rounds: int) -> dict:
+    gen = torch.Generator().manual_seed(rows)
+    ws = [torch.randn(s, generator=gen) * 0.05 for _ in range(LAYERS) for s in SHAPES]
+    ws.append(torch.randn(VOCAB, D, generator=gen) * 0.05)
+    xs = {n: torch.randn(rows, n, generator=gen) for n in (D, FF)}
+    lin = Linears(init_random(tiny_config("llama", vocab_size=300, size="tiny"), seed=0), "auto")
+    if lin.panel_gemm is None:
+        raise SystemExit(f"panel_gemm.c is not used here: {load_panel_gemm()}")
+    packs = [panels(w, lin.panel_width) for w in ws]
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+
+    def panel_gemm():
+        for w, p in zip(ws, packs):
+            lin.on_panels(xs[w.shape[1]], p, w.shape[0], None)
+
+    def onednn():
+        for w, r in zip(ws, reordered):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], r, None, "none", [], "")
+
+    ms = interleaved({"panel_gemm": in_ms(panel_gemm), "onednn": in_ms(onednn)}, rounds, alternate=True)
+    step = medians(ms)
+    nbytes = sum(w.numel() * 4 for w in ws)
+    w, x = ws[3].double(), xs[FF].double()  # one down projection against float64
+    err = (lin.on_panels(xs[FF], packs[3], D, None).double() - x @ w.T).abs() / (x.abs() @ w.abs().T)
+    return {"rows": rows, "weight_bytes": nbytes, "ms": step,
+            "gb_per_s": {name: nbytes / t / 1e6 for name, t in step.items()},
+            "gflop_per_s": {name: 2 * rows * nbytes / 4 / t / 1e6 for name, t in step.items()},
+            "speed_up": step["onednn"] / step["panel_gemm"],
+            "max_rel_err_vs_float64": float(err.max()), "rounds_ms": ms}  # fmt: skip
+
+
+def toggle(eng):
+    """``use(on)``: the engine's products of 2+ rows by panel_gemm.c (on) or oneDNN (off)."""
+    kernel = eng.linears.panel_gemm
+    if kernel is None:
+        raise SystemExit("the engine runs without panel_gemm.c here")
+
+    def use(on: bool) -> None:
+        eng.linears.panel_gemm = kernel if on else None
+
+    return use
+
+
+def steps(model: str, batch: int, context: int, rounds: int) -> dict:
+    eng = decoding_engine(model, batch, context, rounds)
+    eng.decode_layers = None  # the torch path around the kernel: what the arms differ in, and only that
+    ab = toggled_steps(eng, toggle(eng), "panel_gemm", "onednn", rounds)
+    return {"batch": batch, "context": context, **ab}
+
+
+def prefills(model: str, sessions: int, tokens: int, rounds: int) -> dict:
+    """Median ms to prefill ``sessions`` fresh prompts of ``tokens`` in one engine, each arm in turn."""
+    lm = load_model(model)
+    eng = Engine(lm, None, EngineConfig(kv_pool_tokens=sessions * (tokens + 8), max_step_tokens=2048))
+    use, prompt = toggle(eng), 0
+
+    def prefill(on: bool) -> None:
+        nonlocal prompt
+        use(on)
+        prompt += 1
+        batch = [eng.session() for _ in range(sessions)]
+        for k, s in enumerate(batch):
+            s.append([(7 * (prompt + k) + 13 * i) % (lm.config.vocab_size - 10) + 5 for i in range(tokens)])
+        eng.run()
+        for s in batch:
+            s.close()
+
+    ms = interleaved({"panel_gemm": in_ms(lambda: prefill(True)), "onednn": in_ms(lambda: prefill(False))},
+                     rounds, alternate=True)  # fmt: skip
+    use(True)
+    step = medians(ms)
+    speed_up = step["onednn"] / step["panel_gemm"]
+    return {"sessions": sessions, "tokens": tokens, "ms": step, "speed_up": speed_up, "rounds_ms": ms}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 1024])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None, help="also time whole decode steps of this model (runs/smollm2)")
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="sessions decoding, for the steps")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per session, for the steps")
+    p.add_argument("--prefill", nargs="+", default=["1x128", "8x128", "1x1024"], help="SESSIONSxTOKENS")
+    p.add_argument("--out", default=None, help="write the JSON here")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    settings = [products(r, a.rounds) for r in a.rows]
+    for s in settings:
+        print(f"{s['rows']:3d} rows: ms {s['ms']} speed-up {s['speed_up']:.2f}")
+    whole = [steps(a.model, b, a.context, a.rounds) for b in a.batch] if a.model else []
+    for s in whole:
+        print(f"steps, batch {s['batch']:3d}: ms {s['ms_per_step']} speed-up {s['speed_up']:.2f}")
+    shapes = [tuple(map(int, x.split("x"))) for x in a.prefill] if a.model else []
+    fills = [prefills(a.model, n, t, a.rounds) for n, t in shapes]
+    for s in fills:
+        print(f"prefill {s['sessions']}x{s['tokens']}: ms {s['ms']} speed-up {s['speed_up']:.2f}")
+    result = {"machine": machine_info(a.threads), "rounds": a.rounds, "read_gb_per_s": read_bandwidth() / 1e9,
+              "settings": settings, "model": a.model, "steps": whole, "prefills": fills}  # fmt: skip
+    print(f"summing pass reads {result['read_gb_per_s']:.1f} GB/s")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
