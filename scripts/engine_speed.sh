@@ -31,6 +31,7 @@ python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engi
 python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
 python scripts/panel_gemm_ab.py --model runs/smollm2 --out docs/engine_panel_gemm.json
 python scripts/decode_layers_ab.py --model runs/smollm2 --out docs/engine_decode_layers.json
+python scripts/decode_layers_ab.py --model runs/smollm2 --batch 64 --context 128 --out docs/engine_decode_layers_b64.json
 if [ -f "$traces" ]; then
   compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null
 else
