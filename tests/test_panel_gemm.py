@@ -9,7 +9,7 @@ from compactrl.models.tiny import init_random, tiny_config
 
 needs_kernel = pytest.mark.skipif(
     isinstance(load_panel_gemm(), str) or not torch.backends.mkldnn.is_available(),
-    reason="the kernel does not build here, or no oneDNN (it runs in the onednn path's place)",
+    reason="the kernel does not build here, or no oneDNN (auto takes it where it would take oneDNN)",
 )
 
 
