@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 from compactrl.bench.engine import read_bandwidth
-from compactrl.bench.harness import decoding_engine, in_ms, interleaved, machine_info, medians, toggled_steps
+from compactrl.bench.harness import (
+    decoding_engine,
+    in_ms,
+    interleaved,
+    machine_info,
+    medians,
+    toggled,
+    toggled_steps,
+)
 from compactrl.engine import Engine, EngineConfig
 from compactrl.engine.linear import Linears, load_panel_gemm, panels
 from compactrl.models.loading import load_model
@@ -103,11 +111,7 @@ def prefills(model: str, sessions: int, tokens: int, rounds: int) -> dict:
         for s in batch:
             s.close()
 
-    ms = interleaved({"panel_gemm": in_ms(lambda: prefill(True)), "onednn": in_ms(lambda: prefill(False))},
-                     rounds, alternate=True)  # fmt: skip
-    use(True)
-    step = medians(ms)
-    speed_up = step["onednn"] / step["panel_gemm"]
+    step, speed_up, ms = toggled(prefill, use, "panel_gemm", "onednn", rounds)
     return {"sessions": sessions, "tokens": tokens, "ms": step, "speed_up": speed_up, "rounds_ms": ms}
 
 

@@ -107,11 +107,21 @@ def toggled_steps(eng, use: Callable[[bool], None], on: str, off: str, rounds: i
         for _ in range(block):
             eng.step()
 
-    arms = {on: in_ms(lambda: run(True), per=block), off: in_ms(lambda: run(False), per=block)}
+    step, speed_up, ms = toggled(run, use, on, off, rounds, per=block)
+    return {"ms_per_step": step, "speed_up": speed_up, "rounds_ms": ms}
+
+
+def toggled(
+    run: Callable[[bool], None], use: Callable[[bool], None], on: str, off: str, rounds: int, per: int = 1
+):
+    """``run(True)`` (arm ``on``) and ``run(False)`` (arm ``off``) taking turns (:func:`interleaved`),
+    then ``use(True)``: each arm's median milliseconds (over ``per``), ``on``'s speed-up and every
+    round's times."""
+    arms = {on: in_ms(lambda: run(True), per=per), off: in_ms(lambda: run(False), per=per)}
     ms = interleaved(arms, rounds, alternate=True)
     use(True)
     step = medians(ms)
-    return {"ms_per_step": step, "speed_up": step[off] / step[on], "rounds_ms": ms}
+    return step, step[off] / step[on], ms
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
