@@ -1,15 +1,17 @@
 """The engine's float32 products of 2+ rows: ``panel_gemm.c`` against oneDNN, side by side in one run.
 
-  python scripts/panel_gemm_ab.py [--rows 2 4 8 16 32 64 128 1024] [--rounds 7] [--threads 1]
+  python scripts/panel_gemm_ab.py [--rows 2 4 8 16 32 64 128 1024 2048] [--rounds 7] [--threads 1]
                                   [--model runs/smollm2 [--batch 8 32] [--context 128]
                                    [--prefill 1x128 8x128 1x1024]] [--out FILE]
 
 SmolLM2-135M's products as a step calls them at ``rows`` tokens: per layer the stacked q/k/v
 (960 x 576), o (576 x 576), stacked gate and up (3,072 x 576) and down (576 x 1,536), 30 layers
-each with its own random float32 weights, and the head (49,152 x 576). Each round runs both over
-all of them (the order alternating); the JSON reports each one's median milliseconds, the weight
-bytes it reads per second and its GFLOP/s, the speed-up over oneDNN (what the engine ran before),
-a summing pass's read bandwidth in the same run, and the kernel's largest error on one layer
+each with its own random float32 weights, and the head (49,152 x 576) up to 256 rows: a decode
+step runs the head on every row, a prefill step (the larger row counts) on its sessions' last
+tokens only. Each round runs both over all of them (the order alternating); the JSON reports each
+one's median milliseconds, the weight bytes it reads per second and its GFLOP/s, the speed-up over
+oneDNN (what the engine ran before), a summing pass's read bandwidth and the core's FMA peak
+(``fma_peak.c``: no memory traffic) in the same run, and the kernel's largest error on one layer
 against float64, relative to the size of the products' terms.
 
 With ``--model``, whole steps in one engine with the kernel in use and without it (oneDNN, as
@@ -20,6 +22,7 @@ median milliseconds.
 """
 
 import argparse
+import ctypes
 import json
 from pathlib import Path
 
@@ -36,18 +39,21 @@ from compactrl.bench.harness import (
     toggled_steps,
 )
 from compactrl.engine import Engine, EngineConfig
+from compactrl.engine.kernels import compile_c
 from compactrl.engine.linear import Linears, load_panel_gemm, panels
 from compactrl.models.loading import load_model
 from compactrl.models.tiny import init_random, tiny_config
 
 LAYERS, D, FF, VOCAB = 30, 576, 1536, 49152
 SHAPES = [(960, D), (D, D), (2 * FF, D), (D, FF)]
+HEAD_ROWS = 256  # decode batch sizes: a prefill step runs the head on its last tokens only
 
 
 def products(rows: int, rounds: int) -> dict:
     gen = torch.Generator().manual_seed(rows)
     ws = [torch.randn(s, generator=gen) * 0.05 for _ in range(LAYERS) for s in SHAPES]
-    ws.append(torch.randn(VOCAB, D, generator=gen) * 0.05)
+    if rows <= HEAD_ROWS:
+        ws.append(torch.randn(VOCAB, D, generator=gen) * 0.05)
     xs = {n: torch.randn(rows, n, generator=gen) for n in (D, FF)}
     lin = Linears(init_random(tiny_config("llama", vocab_size=300, size="tiny"), seed=0), "auto")
     if lin.panel_gemm is None:
@@ -68,11 +74,21 @@ def products(rows: int, rounds: int) -> dict:
     nbytes = sum(w.numel() * 4 for w in ws)
     w, x = ws[3].double(), xs[FF].double()  # one down projection against float64
     err = (lin.on_panels(xs[FF], packs[3], D, None).double() - x @ w.T).abs() / (x.abs() @ w.abs().T)
-    return {"rows": rows, "weight_bytes": nbytes, "ms": step,
+    return {"rows": rows, "head": rows <= HEAD_ROWS, "weight_bytes": nbytes, "ms": step,
             "gb_per_s": {name: nbytes / t / 1e6 for name, t in step.items()},
             "gflop_per_s": {name: 2 * rows * nbytes / 4 / t / 1e6 for name, t in step.items()},
             "speed_up": step["onednn"] / step["panel_gemm"],
             "max_rel_err_vs_float64": float(err.max()), "rounds_ms": ms}  # fmt: skip
+
+
+def fma_peak(steps: int = 50_000_000, repeats: int = 3) -> float:
+    """GFLOP/s of ``fma_peak.c``'s independent FMA chains on one core (best of ``repeats``)."""
+    signatures = {"fma_chains": ([ctypes.c_int64], ctypes.c_float), "fma_flops_per_step": ([], ctypes.c_int)}
+    lib = compile_c(Path(__file__).with_name("fma_peak.c"), signatures)
+    if isinstance(lib, str):
+        raise SystemExit(lib)
+    best_ms = min(in_ms(lambda: lib.fma_chains(steps))() for _ in range(repeats))
+    return steps * lib.fma_flops_per_step() / best_ms / 1e6
 
 
 def toggle(eng):
@@ -117,7 +133,7 @@ def prefills(model: str, sessions: int, tokens: int, rounds: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 1024])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 1024, 2048])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None, help="also time whole decode steps of this model (runs/smollm2)")
@@ -138,8 +154,10 @@ def main() -> None:
     for s in fills:
         print(f"prefill {s['sessions']}x{s['tokens']}: ms {s['ms']} speed-up {s['speed_up']:.2f}")
     result = {"machine": machine_info(a.threads), "rounds": a.rounds, "read_gb_per_s": read_bandwidth() / 1e9,
-              "settings": settings, "model": a.model, "steps": whole, "prefills": fills}  # fmt: skip
-    print(f"summing pass reads {result['read_gb_per_s']:.1f} GB/s")
+              "fma_peak_gflop_per_s": fma_peak(), "settings": settings, "model": a.model, "steps": whole,
+              "prefills": fills}  # fmt: skip
+    read, peak = result["read_gb_per_s"], result["fma_peak_gflop_per_s"]
+    print(f"summing pass reads {read:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
