@@ -210,6 +210,30 @@ def test_fork_right_after_append_feeds_then_shares(tiny_lm):
     assert_matches_trainer(tiny_lm, [s, *kids])
 
 
+def test_first_chunks_of_mixed_lengths_in_one_step(tiny_lm, monkeypatch):
+    """Fresh prompts of lengths 5, 9, 5, 9, 3, 5 prefilled in one step: each length's chunks are one
+    block of the step's tokens (one causal SDPA reads them as views), and every session's
+    log-probs equal the trainer's."""
+    import compactrl.engine.engine as engine_module
+    from compactrl.engine.runner import step_order
+
+    steps, forward = [], engine_module.forward_step
+    monkeypatch.setattr(
+        engine_module,
+        "forward_step",
+        lambda m, kv, feeds, *a: steps.append(feeds) or forward(m, kv, feeds, *a),
+    )
+    eng = engine(tiny_lm)
+    sessions = [eng.session() for _ in range(6)]
+    for k, (s, n) in enumerate(zip(sessions, [5, 9, 5, 9, 3, 5], strict=True)):
+        s.append([(k * 11 + i) % 300 for i in range(n)])
+        s.generate(SamplingParams(max_tokens=4, seed=k, ignore_eos=True, model_logprobs=True))
+    eng.run()
+    _, rest = step_order(steps[0])
+    assert [f.n for f in rest] == [3, 5, 5, 5, 9, 9]  # all six in the first step, grouped by length
+    assert_matches_trainer(tiny_lm, sessions)
+
+
 @pytest.mark.parametrize("attention", ["auto", "sdpa"])
 @pytest.mark.parametrize("generating", [[0, 2, 4, 6, 8, 9], [0, 1, 2, 5, 6, 9]])
 def test_decode_over_scattered_rows(tiny_lm, generating, attention):

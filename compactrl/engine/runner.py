@@ -87,11 +87,19 @@ def _attend_rows(q, K, V, mask, a: int, b: int, row: int, n: int) -> torch.Tenso
     )
 
 
+def _fresh(f: Feed) -> bool:
+    """A chunk that starts an empty row (no prefix): plain causal attention over itself."""
+    return f.entry == 0 and not f.chain
+
+
 def step_order(feeds: list[Feed]) -> tuple[list[Feed], list[Feed]]:
     """A step's feeds in token order: single decode tokens (no shared prefix) first, by row (their
-    attention is one batched call over a block of rows, their queries a plain slice), then the rest."""
+    attention is one batched call over a block of rows, their queries a plain slice), then fresh
+    chunks by length (each length's tokens one block, which one causal SDPA reads as views), then
+    the rest."""
     dec = sorted((f for f in feeds if f.n == 1 and not f.chain), key=lambda f: f.row)
-    return dec, [f for f in feeds if f.n > 1 or f.chain]
+    rest = sorted((f for f in feeds if f.n > 1 or f.chain), key=lambda f: (not _fresh(f), f.n))
+    return dec, rest
 
 
 def thread_tokens(feeds: list[Feed], device) -> torch.Tensor:
@@ -149,13 +157,12 @@ def forward_step(
             ~visible, float("-inf")
         )
 
-    # a chunk that starts an empty row (no prefix) is plain causal attention over itself
-    later = [f for f in rest if f.entry > 0 or f.chain]
+    later = [f for f in rest if not _fresh(f)]
     by_len: dict[int, list[Feed]] = {}
     for f in rest:
-        if f.entry == 0 and not f.chain:
+        if _fresh(f):
             by_len.setdefault(f.n, []).append(f)
-    fresh = list(by_len.values())
+    fresh = list(by_len.values())  # each group's tokens one block (step_order)
     capture = [f for f in feeds if f.keep_q]
     for f in rest:
         o = offsets[id(f)]
@@ -195,13 +202,11 @@ def forward_step(
                 parts = [_attend_rows(qd, K, V, d_mask, *run) for run in runs]
                 od = parts[0] if len(parts) == 1 else torch.cat(parts)
             out[:B] = od.reshape(B, *q.shape[1:])
-        for group in fresh:  # first chunks of equal length: one causal SDPA for the group
-            o = [offsets[id(f)] for f in group]
-            n = group[0].n
-            qs, ks, vs = (torch.stack([t[a : a + n].transpose(0, 1) for a in o]) for t in (q, k, v))
+        for group in fresh:  # first chunks of equal length: one causal SDPA on views of the block
+            a, b = offsets[id(group[0])], offsets[id(group[-1])] + group[-1].n
+            qs, ks, vs = (t[a:b].unflatten(0, (len(group), -1)).transpose(1, 2) for t in (q, k, v))
             og = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            for j, a in enumerate(o):
-                out[a : a + n] = og[j].transpose(0, 1)
+            out[a:b] = og.transpose(1, 2).flatten(0, 1)
         for f in later:
             o = offsets[id(f)]
             heads = q[o : o + f.n].transpose(0, 1)[None]
