@@ -122,7 +122,7 @@ def _sampling(result: str) -> str:
 
 
 def _panel_gemm(result: str) -> str:
-    """`scripts/panel_gemm_ab.py`: SmolLM2's products at 2 to 1,024 rows, panel_gemm.c against oneDNN,
+    """`scripts/panel_gemm_ab.py`: SmolLM2's products at 2 to 2,048 rows, panel_gemm.c against oneDNN,
     and the kernel's GFLOP/s as a share of the core's FMA peak where the run measured it."""
     from compactrl.bench.harness import markdown_table
 
