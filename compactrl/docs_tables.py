@@ -123,22 +123,26 @@ def _sampling(result: str) -> str:
 
 def _panel_gemm(result: str) -> str:
     """`scripts/panel_gemm_ab.py`: SmolLM2's products at 2 to 2,048 rows, panel_gemm.c against oneDNN,
-    and the kernel's GFLOP/s as a share of the core's FMA peak where the run measured it."""
+    and the kernel's GFLOP/s as a share of the core's FMA peak (``scripts/fma_peak.c``)."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
-    names, peak = ["panel_gemm", "onednn"], r.get("fma_peak_gflop_per_s")
-    rows = []
-    for s in r["settings"]:
-        rate = s["gflop_per_s"]
-        share = [f"{rate['panel_gemm'] / peak:.2f}"] if peak else []
-        rows.append([f"{s['rows']}{'' if s.get('head', True) else ' (no head)'}",
-                     *(f"{s['ms'][k]:.1f}" for k in names), *(f"{s['gb_per_s'][k]:.1f}" for k in names),
-                     *(f"{rate[k]:.1f}" for k in names), *share,
-                     f"{s['speed_up']:.2f}"])  # fmt: skip
-    heads = ["rows", "panel_gemm.c ms", "oneDNN ms", "panel_gemm.c GB/s", "oneDNN GB/s",
-             "panel_gemm.c GFLOP/s", "oneDNN GFLOP/s", *(["panel_gemm.c / FMA peak"] if peak else []),
-             "panel_gemm.c speed-up"]  # fmt: skip
+    names, peak = ["panel_gemm", "onednn"], r["fma_peak_gflop_per_s"]
+    rows = [[f"{s['rows']}{'' if s['head'] else ' (no head)'}", *(f"{s['ms'][k]:.1f}" for k in names),
+             *(f"{s['gb_per_s'][k]:.1f}" for k in names), *(f"{s['gflop_per_s'][k]:.1f}" for k in names),
+             f"{s['gflop_per_s']['panel_gemm'] / peak:.2f}", f"{s['speed_up']:.2f}"]
+            for s in r["settings"]]  # fmt: skip
+    heads = [
+        "rows",
+        "panel_gemm.c ms",
+        "oneDNN ms",
+        "panel_gemm.c GB/s",
+        "oneDNN GB/s",
+        "panel_gemm.c GFLOP/s",
+        "oneDNN GFLOP/s",
+        "panel_gemm.c / FMA peak",
+        "panel_gemm.c speed-up",
+    ]
     return markdown_table(heads, rows)
 
 

