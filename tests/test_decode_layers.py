@@ -56,9 +56,26 @@ def test_one_call_decodes_what_the_torch_path_decodes(family, sessions):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_token_written_to_the_wrong_cache_entry_is_seen():
-    """Negative control: the comparison above catches a one-call path that misplaces K/V."""
-    model = lm()
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("sessions", [1, 5, 37])  # gemv.c and panel_gemm_bf16.c inside
+def test_one_call_decodes_in_bfloat16_what_the_torch_path_decodes(family, sessions):
+    """Rounded where the torch path rounds, with the same GEMM and attention kernels: the same bits
+    but for the norms' float32 statistics, summed in another order, which now and then rounds a
+    value to the neighbouring bfloat16 (measured: 1 of 37 sessions' samples diverged, none at 1 or 5)."""
+    model = lm(family, torch.bfloat16)
+    fast, fast_cache, calls = decode(model, sessions, one_call=True)
+    slow, slow_cache, _ = decode(model, sessions, one_call=False)
+    assert calls >= 9
+    same = [(lf - ls).abs().max() for (tf, lf), (ts, ls) in zip(fast, slow) if tf == ts]
+    assert len(same) >= 0.9 * sessions and max(same) < 1e-2
+    differ = sum((a != b).sum() for a, b in zip(fast_cache, slow_cache))
+    assert differ <= 0.01 * sum(a.numel() for a in fast_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_written_to_the_wrong_cache_entry_is_seen(dtype):
+    """Negative control: the comparisons above catch a one-call path that misplaces K/V."""
+    model = lm(dtype=dtype)
     slow, _, _ = decode(model, 3, one_call=False)
 
     def shifted(x, cos, sin, kv, rows, ents, lens, longest):
@@ -92,7 +109,7 @@ def test_steps_it_does_not_cover_run_the_torch_path():
 
 
 def test_models_it_does_not_cover_say_why():
-    for model, why in [(lm("qwen3"), "q/k-norm"), (lm(dtype=torch.bfloat16), "float32")]:
+    for model, why in [(lm("qwen3"), "q/k-norm"), (lm(dtype=torch.float16), "float32 and bfloat16")]:
         eng = Engine(model, None, EngineConfig())
         layers = eng.decode_layers
         assert why in layers.why and not layers.applies(2, prefill=False, keep_queries=False)

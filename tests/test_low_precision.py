@@ -130,10 +130,15 @@ def test_low_precision_logits_are_float32_and_match_the_trainer_head():
     assert (rounded - _logits(model, h)).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("matmul", ["native", "float32", pytest.param("onednn", marks=needs_onednn_bf16)])
+@pytest.mark.parametrize(
+    "matmul",
+    ["native", "float32", *(pytest.param(m, marks=needs_onednn_bf16) for m in ("onednn", "auto"))],
+)
 def test_bfloat16_engine_vs_trainer_within_the_bfloat16_tolerance(matmul):
+    """``auto`` on a CPU with bfloat16 dot products: panel_gemm_bf16.c and gemv.c where they build."""
     r = verify_engine(n_sessions=12, seed=1, dtype="bfloat16", matmul=matmul)
-    assert r["matmul"].split()[0] == matmul and r["preemptions"] > 0 and r["forks"] > 0 and r["evictions"] > 0
+    kind = Linears(lm(), "auto").kind.split()[0] if matmul == "auto" else matmul
+    assert r["matmul"].split()[0] == kind and r["preemptions"] > 0 and r["forks"] > 0 and r["evictions"] > 0
     assert r["kl_tolerance"] == ENGINE_KL_TOLERANCE_LOW_PRECISION and r["tolerance"] is None
     assert r["ok"] and r["mean_kl"] < 1e-3 and r["max_abs_logprob_diff"] < 0.15
     assert r["kl_positions"] == r["sampled_tokens"] and r["reprefill_diff"] > 0.1
@@ -185,6 +190,7 @@ def test_verify_engine_and_bench_engine_cli_options(tmp_path):
         "native",
         "float32 (2+ rows)",
         "onednn (prepacked)",
+        "panel_gemm_bf16 (2+ rows)",
     )
     assert out["model"]["weight_bytes"] == 2 * out["model"]["parameters"]
     assert out["settings"][0]["decode_tokens_per_s"] > 0 and out["settings"][0]["batch"] == 2

@@ -1,10 +1,17 @@
-"""The float32 GEMM on packed panels (panel_gemm.c) against float64 products, and the engine's
-layers through it."""
+"""The GEMMs on packed panels (panel_gemm.c in float32, panel_gemm_bf16.c in bfloat16) against
+float64 products and torch's rounding, and the engine's layers through them."""
 
 import pytest
 import torch
 
-from compactrl.engine.linear import Linears, load_panel_gemm, panels
+from compactrl.engine.linear import (
+    Linears,
+    has_native_low_precision_matmul,
+    load_panel_gemm,
+    load_panel_gemm_bf16,
+    panels,
+)
+from compactrl.models.decoder import _logits
 from compactrl.models.tiny import init_random, tiny_config
 
 needs_kernel = pytest.mark.skipif(
@@ -12,10 +19,15 @@ needs_kernel = pytest.mark.skipif(
     reason="the kernel does not build here, or no oneDNN (auto takes it where it would take oneDNN)",
 )
 
+needs_bf16_kernel = pytest.mark.skipif(
+    isinstance(load_panel_gemm_bf16(), str) or not has_native_low_precision_matmul("cpu"),
+    reason="no bfloat16 dot products on this CPU (AVX512-BF16), or no oneDNN using them",
+)
 
-def lm():
-    cfg = tiny_config("qwen2", vocab_size=300, size="tiny", eos_token_id=[1])  # q/k/v biases
-    return init_random(cfg, seed=0).eval()
+
+def lm(family="qwen2", dtype=torch.float32):
+    cfg = tiny_config(family, vocab_size=300, size="tiny", eos_token_id=[1])  # qwen2: q/k/v biases
+    return init_random(cfg, seed=0).to(dtype).eval()
 
 
 def panel_gemm(lin: Linears, x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
@@ -81,3 +93,48 @@ def test_decode_batches_and_prefill_go_through_the_kernel_and_follow_weight_upda
         x = torch.randn(4, d)
         layer.mlp.up_proj.weight.mul_(2)  # an optimizer step on the shared model: repacked, no bookkeeping
         torch.testing.assert_close(lin.mlp(layer.mlp, x), layer.mlp(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 133])  # whole and partial 8-row tiles
+@pytest.mark.parametrize("n_out,n_in", [(37, 6), (32, 576), (301, 1000)])  # partial and whole panels
+def test_bfloat16_panel_products_are_float32_sums_rounded_as_torch_rounds(rows, n_out, n_in):
+    g = torch.Generator().manual_seed(rows * n_in)
+    w, x, bias = (
+        torch.randn(shape, generator=g).bfloat16() for shape in ((n_out, n_in), (rows, n_in), (n_out,))
+    )
+    lin = Linears(lm(dtype=torch.bfloat16), "auto")
+    pack = panels(w, lin.panel_width_bf16)
+    sums = lin.on_panels(x, pack, n_out, None, torch.float32)
+    scale = x.double().abs() @ w.double().abs().T
+    assert ((sums.double() - x.double() @ w.double().T).abs() / scale).max() < 1e-5
+    assert torch.equal(lin.on_panels(x, pack, n_out, None, torch.bfloat16), sums.to(torch.bfloat16))
+    with_bias = lin.on_panels(x, pack, n_out, bias, torch.bfloat16)  # added before rounding, once
+    assert torch.equal(with_bias, (sums + bias.float()).to(torch.bfloat16))
+    # negative control: panels laid out as float32's (k not in pairs) are a different product
+    wrong = lin.on_panels(x, panels(w.float(), lin.panel_width_bf16).bfloat16(), n_out, None)
+    assert (wrong - sums).abs().max() > 0.1
+
+
+@needs_bf16_kernel
+def test_a_bfloat16_models_products_and_float32_head_go_through_the_kernels():
+    model = lm("qwen3", torch.bfloat16)  # tied embeddings
+    lin = Linears(model, "auto")
+    assert lin.kind == "panel_gemm_bf16 (2+ rows), gemv (1 row)" and lin.panel_gemm is None
+    lin.prepare(model)
+    assert {p[1].dtype for p in lin._packs.values()} == {torch.bfloat16}  # the head too: no float32 copy
+    layer, d = model.model.layers[0], model.config.hidden_size
+    calls = []
+    kernel = lin.panel_gemm_bf16
+    lin.panel_gemm_bf16 = lambda *a: calls.append(a[3]) or kernel(*a)
+    with torch.inference_mode():
+        for rows in (1, 5, 300):  # batch-1 decode (gemv.c), decode batches, a prefill chunk
+            h = torch.randn(rows, d).bfloat16()
+            calls.clear()
+            mlp = lin.mlp(layer.mlp, h)
+            native = layer.mlp(h)  # oneDNN's bfloat16: float32 sums too, rounded at each product
+            assert mlp.dtype == torch.bfloat16 and (mlp.float() - native.float()).abs().max() < 0.05
+            logits = lin.logits(model, h)
+            assert logits.dtype == torch.float32
+            torch.testing.assert_close(logits, _logits(model, h), rtol=1e-5, atol=1e-5)  # the trainer's head
+            assert calls == ([] if rows == 1 else [rows] * 3)  # gate+up, down, head

@@ -75,15 +75,15 @@ def in_ms(fn: Callable[[], object], per: int = 1) -> Callable[[], float]:
     return run
 
 
-def decoding_engine(model: str, batch: int, context: int, rounds: int, block: int = 4):
-    """An engine on the checkpoint ``model`` with ``batch`` sessions of ``context`` prompt tokens,
-    prefilled and each set to decode enough tokens (EOS ignored) for :func:`toggled_steps` over
-    ``rounds`` rounds of ``block`` steps per arm."""
+def decoding_engine(model: str, batch: int, context: int, rounds: int, block: int = 4, dtype="float32"):
+    """An engine on the checkpoint ``model`` (in ``dtype``) with ``batch`` sessions of ``context``
+    prompt tokens, prefilled and each set to decode enough tokens (EOS ignored) for
+    :func:`toggled_steps` over ``rounds`` rounds of ``block`` steps per arm."""
     from compactrl.engine import Engine, EngineConfig
     from compactrl.engine.sampling import SamplingParams
     from compactrl.models.loading import load_model
 
-    lm = load_model(model)
+    lm = load_model(model, dtype=dtype)
     steps = (2 * rounds + 2) * block + 2  # two arms, a warm-up round, two spare
     eng = Engine(lm, None, EngineConfig(kv_pool_tokens=batch * (context + steps + 8), max_step_tokens=2048))
     sessions = [eng.session() for _ in range(batch)]

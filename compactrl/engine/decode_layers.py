@@ -1,14 +1,15 @@
-"""All layers of a float32 decode step in one C call (``decode_layers.c``).
+"""All layers of a float32 or bfloat16 decode step in one C call (``decode_layers.c``).
 
 A decode step of B single tokens runs each layer as ~25 small torch ops around its GEMMs and
 attention; on a CPU each op costs microseconds of Python and dispatch whatever its size, about
 0.4 to 0.9 ms a layer, a quarter to a third of a SmolLM2 step at batch 1 to 8. The C loop does
 the same arithmetic (RMSNorm, q/k/v with bias, rotate-half RoPE, the cache writes, SwiGLU,
 residual adds) and calls the engine's own GEMM and attention kernels, so it computes what the
-torch path computes, up to float32 rounding order (tested against it; ``verify engine`` gates it
-on real checkpoints).
+torch path computes, up to float32 rounding order, and in bfloat16 rounds where the torch path
+rounds (tested against it; ``verify engine`` gates it on real checkpoints).
 
-It takes the steps the kernels cover: CPU, float32, every feed one decode token (no prefill
+It takes the steps the kernels cover: CPU, float32 (or bfloat16 where ``panel_gemm_bf16.c``
+builds: a CPU with AVX512-BF16), every feed one decode token (no prefill
 chunk in the step, no queries kept for a token evictor), any number of sessions, the attention kernel
 in use, and a model of plain layers (no q/k-norm, no MLP or o-projection bias, no adapter
 wrapped around a projection). Any other step runs the torch path, as before.
@@ -37,17 +38,19 @@ SLOTS = 10  # pointers per layer in the table, as decode_layers.c's enum orders 
 def load_decode_layers() -> ctypes.CDLL | str:
     """The compiled loop, or the reason there is none (no C compiler, a failed build)."""
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    args = [P, I64, I64, I64, I64, I64, I64, I64, F, P, P, P, P, P, P, I64, P, I64, I64, P, P, I, P, P, P]
+    args = [P, I64, I64, I64, I64, I64, I64, I64, F, P, P, P, P, P, P, I64, P, I64, I64, P, P, I, P, P, P, I]
     return compile_c(Path(__file__).with_name("decode_layers.c"), {"decode_layers": (args, I)})
 
 
 def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -> str:
     """Why the one-call decode cannot run this engine's steps ('' when it can)."""
     p, c = next(model.parameters()), model.config
-    if p.device.type != "cpu" or p.dtype != torch.float32:
-        return f"it runs float32 models on a CPU, this one is {p.dtype} on {p.device.type}"
-    if attention.kind != "kernel" or linears.gemv is None or linears.panel_gemm is None:
-        return "it needs the decode attention, gemv and panel_gemm kernels (they did not build here)"
+    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 and bfloat16 models on a CPU, this one is {p.dtype} on {p.device.type}"
+    if attention.kind != "kernel" or linears.gemv is None or panel_kernel(linears) is None:
+        return "it needs the decode attention, gemv and panel GEMM kernels (they did not build here)"
+    if not all(linears._width(p.dtype, n) for n in (c.hidden_size, c.intermediate_size)):
+        return "the panel GEMM takes even layer widths in bfloat16"
     if c.qk_norm or c.head_dim % 2:
         return "q/k-norm models and odd head sizes run the torch path"
     for layer in model.model.layers:
@@ -63,6 +66,11 @@ def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -
     return lib if isinstance(lib, str) else ""
 
 
+def panel_kernel(linears: Linears):
+    """The panel GEMM a step of 2+ sessions runs: ``panel_gemm.c`` or ``panel_gemm_bf16.c``."""
+    return linears.panel_gemm or linears.panel_gemm_bf16
+
+
 class DecodeLayers:
     """Runs a decode step's layers in one call where :func:`unsupported` allows (``why`` says why not)."""
 
@@ -76,7 +84,7 @@ class DecodeLayers:
         self.model, self.linears, self.projections = model, linears, projections
         self.why = unsupported(model, linears, attention)
         self.fn = None if self.why else load_decode_layers().decode_layers
-        kernels = () if self.why else (linears.gemv, linears.panel_gemm, attention.lib.decode_attention)
+        kernels = () if self.why else (linears.gemv, panel_kernel(linears), attention.lib.decode_attention)
         self.kernels = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in kernels)  # C function pointers
         attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
         norms = ("input_layernorm", "post_attention_layernorm")
@@ -91,7 +99,8 @@ class DecodeLayers:
 
     def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
         """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
-        product = self.linears.gemv if sessions == 1 else self.linears.panel_gemm  # unless turned off since
+        # unless turned off since
+        product = self.linears.gemv if sessions == 1 else panel_kernel(self.linears)
         if self.fn is None or product is None or sessions < 1 or prefill or keep_queries:
             return False
         self._modules = [d[n] for d, n in self.slots]  # as they are now: adapters come and go
@@ -99,8 +108,8 @@ class DecodeLayers:
 
     def _weights(self, one_row: bool) -> list[list[torch.Tensor | None]]:
         """Per layer the tensors of decode_layers.c's table, K/V excepted (the modules' row-major
-        weights for one row, the panels of panel_gemm.c for more)."""
-        out, f32 = [], torch.float32
+        weights for one row, the panel kernel's for more)."""
+        out, dtype = [], next(self.model.parameters()).dtype
         for layer, proj in zip(self.model.model.layers, self.projections):
             a, m = layer.self_attn, layer.mlp
             qkv_w, qkv_b = proj.packed()
@@ -108,10 +117,10 @@ class DecodeLayers:
                 w = [qkv_w, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
             else:
                 panels = [
-                    self.linears._stack(g, f32)[0] for g in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,))
+                    self.linears._stack(g, dtype)[0] for g in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,))
                 ]
-                panels += [self.linears._stack((m.gate_proj, m.up_proj), f32)[0], None]
-                w = [*panels, self.linears._stack((m.down_proj,), f32)[0]]
+                panels += [self.linears._stack((m.gate_proj, m.up_proj), dtype)[0], None]
+                w = [*panels, self.linears._stack((m.down_proj,), dtype)[0]]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             out.append([*norms, w[0], qkv_b, w[1], w[2], w[3], w[4]])
         return out
@@ -132,12 +141,15 @@ class DecodeLayers:
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, rows, ents, lens, longest
     ):
-        """Every layer on ``x [B, d]`` (float32, in place; returned), one token per session at cache
+        """Every layer on ``x [B, d]`` (the model's dtype, in place; returned), one token per session at cache
         ``rows [B]`` entry ``ents [B]``, attending to entries ``[0, lens[b])``; ``cos, sin [B, D]``."""
         c = self.model.config
         B, H, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         threads = torch.get_num_threads()
-        work = B * (2 * c.hidden_size + (2 * H + 2 * Hkv) * D + 2 * c.intermediate_size)
+        d, F, Q, bf16 = c.hidden_size, c.intermediate_size, (H + 2 * Hkv) * D, x.dtype == torch.bfloat16
+        work = B * (2 * d + Q + H * D + 2 * F)  # decode_layers.c's work, in floats
+        if bf16:  # the float32 residual stream and the 16-bit inputs of the kernels
+            work += B * d + (B * (Q + max(H * D, F, d)) + 1) // 2
         if self.work.numel() < work:
             self.work = torch.empty(work)
         if self.scratch.numel() < threads * (H // Hkv) * longest:  # grows to the longest row seen, then stays
@@ -149,7 +161,7 @@ class DecodeLayers:
             x.data_ptr(), B, c.num_hidden_layers, c.hidden_size, H, Hkv, D, c.intermediate_size, eps,
             table.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.data_ptr(), ents.data_ptr(),
             lens.data_ptr(), longest, kv.valid.data_ptr(), kv.valid.shape[1], kv.k[0].shape[2],
-            self.work.data_ptr(), self.scratch.data_ptr(), threads, *self.kernels,
+            self.work.data_ptr(), self.scratch.data_ptr(), threads, *self.kernels, int(bf16),
         )  # fmt: skip
         err = traced("compactrl::decode_layers", self.fn, *args)
         self.calls += 1

@@ -69,10 +69,23 @@ def load_panel_gemm() -> ctypes.CDLL | str:
     return compile_c(Path(__file__).with_name("panel_gemm.c"), signatures)
 
 
+@cache
+def load_panel_gemm_bf16() -> ctypes.CDLL | str:
+    """The bfloat16 GEMM on packed panels (``panel_gemm_bf16.c``, AVX512-BF16), or the reason there
+    is none (a CPU without bfloat16 dot products among them)."""
+    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    signatures = {"panel_gemm_bf16": ([P, P, P, I64, I64, I64, I, I], None), "panel_width_bf16": ([], I)}
+    return compile_c(Path(__file__).with_name("panel_gemm_bf16.c"), signatures)
+
+
 def panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """``weight [N, K]`` as ``panel_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded."""
+    """``weight [N, K]`` as ``panel_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded;
+    bfloat16 as ``panel_gemm_bf16.c`` reads it, by pairs of k: ``[ceil(N / width), K / 2, width, 2]``."""
     n, k = weight.shape
-    return F.pad(weight, (0, 0, 0, -n % width)).view(-1, width, k).transpose(1, 2).contiguous()
+    w = F.pad(weight, (0, 0, 0, -n % width))
+    if weight.dtype == torch.bfloat16:
+        return w.view(-1, width, k // 2, 2).transpose(1, 2).contiguous()
+    return w.view(-1, width, k).transpose(1, 2).contiguous()
 
 
 class Linears:
@@ -86,10 +99,11 @@ class Linears:
     ``auto`` (``onednn`` on a CPU for float32, and for bfloat16 where the CPU has native bfloat16
     GEMMs; ``float32`` for steps of 2+ tokens on a CPU without them; else ``native``). Float64 and
     float16 models run natively; the head of a low-precision model always runs in float32.
-    Under ``auto`` on a CPU, C kernels take the float32 products: one row (decode at batch 1) by
-    ``gemv.c`` on the weights as they are, 2+ rows (decode batches, prefill chunks) by
-    ``panel_gemm.c`` on a packed copy in place of oneDNN's (float32 models only); oneDNN keeps
-    bfloat16 and ``mode="onednn"``.
+    Under ``auto`` on a CPU, C kernels take the products: one row (decode at batch 1) by ``gemv.c``
+    on the weights as they are (float32 or bfloat16), 2+ rows (decode batches, prefill chunks) by
+    ``panel_gemm.c`` (float32) or ``panel_gemm_bf16.c`` (bfloat16 on a CPU with AVX512-BF16) on a
+    packed copy in place of oneDNN's; a bfloat16 model's float32 head reads its bfloat16 weights
+    there (no float32 copy). oneDNN keeps ``mode="onednn"`` and whatever the kernels do not take.
     """
 
     def __init__(self, model: nn.Module, mode: MatmulMode = "auto"):
@@ -117,8 +131,8 @@ class Linears:
         # float32 elements converted per block: ~4 MB stays in a CPU's cache; GPUs take big blocks
         self.block = 1 << 20 if p.device.type == "cpu" else 1 << 26
         self._buf: torch.Tensor | None = None
-        # one row (decode at batch 1) through gemv.c: float32, and bfloat16 where it is not native
-        gemv = mode == "auto" and p.device.type == "cpu" and (p.dtype == torch.float32 or self.upcast)
+        # one row (decode at batch 1) through gemv.c: float32 and bfloat16 weights
+        gemv = mode == "auto" and p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16)
         lib = load_gemv() if gemv else "not used"
         self.gemv = None if isinstance(lib, str) else lib.gemv
         # 2+ float32 rows (decode batches, prefill) through panel_gemm.c, on panels packed instead of
@@ -126,12 +140,18 @@ class Linears:
         lib = load_panel_gemm() if mode == "auto" and self.onednn and p.dtype == torch.float32 else ""
         self.panel_gemm = None if isinstance(lib, str) else lib.panel_gemm
         self.panel_width = 0 if isinstance(lib, str) else lib.panel_width()
+        # 2+ bfloat16 rows through panel_gemm_bf16.c where the CPU has bfloat16 dot products
+        lib = load_panel_gemm_bf16() if mode == "auto" and self.onednn and p.dtype == torch.bfloat16 else ""
+        self.panel_gemm_bf16 = None if isinstance(lib, str) else lib.panel_gemm_bf16
+        self.panel_width_bf16 = 0 if isinstance(lib, str) else lib.panel_width_bf16()
 
     @property
     def kind(self) -> str:
         """What runs the GEMMs, for reports."""
         if self.panel_gemm is not None:
             kind = "panel_gemm (2+ rows)"
+        elif self.panel_gemm_bf16 is not None:
+            kind = "panel_gemm_bf16 (2+ rows)"
         elif self.onednn:
             kind = "onednn (prepacked)"
         elif not self.low_precision:
@@ -188,22 +208,30 @@ class Linears:
         return out if bias is None else out.add_(bias)
 
     # ---- stacked GEMMs on packed weights ----------------------------------------------------
+    def _width(self, dtype: torch.dtype, n_in: int) -> int:
+        """The panel width of the C kernel that runs products of ``dtype`` inputs (0: oneDNN does)."""
+        if dtype == torch.float32 and self.panel_gemm is not None:
+            return self.panel_width
+        if dtype == torch.bfloat16 and self.panel_gemm_bf16 is not None and n_in % 2 == 0:
+            return self.panel_width_bf16
+        return 0
+
     @torch.no_grad()
     def _stack(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype):
-        """``layers``' weights stacked and packed for the GEMM that runs them (``panel_gemm.c``'s
-        panels for float32 where it runs, oneDNN's reordered copy otherwise) and their bias, in
-        ``dtype``; redone when a weight changed since (an in-place update bumps its version; a
-        replaced one has a new address)."""
+        """``layers``' weights stacked and packed in ``dtype`` for the GEMM that runs them (a C
+        kernel's panels where one runs ``dtype``, oneDNN's reordered copy otherwise) and their bias;
+        redone when a weight changed since (an in-place update bumps its version; a replaced one
+        has a new address)."""
         ws = [m.weight for m in layers]
         stamp = tuple((w.data_ptr(), w._version) for w in ws)
-        on_panels = self.panel_gemm is not None and dtype == torch.float32
-        key = (*(id(m) for m in layers), on_panels)
+        width = self._width(dtype, ws[0].shape[1])
+        key = (*(id(m) for m in layers), dtype, width)
         hit = self._packs.get(key)
         if hit is None or hit[0] != stamp:
             with torch.inference_mode(False):  # kept across steps, in and out of inference mode
                 w = torch.cat([w.detach().to(dtype) for w in ws])
                 b = None if layers[0].bias is None else torch.cat([m.bias.detach().to(dtype) for m in layers])
-                w = panels(w, self.panel_width) if on_panels else torch.ops.mkldnn._reorder_linear_weight(w)
+                w = panels(w, width) if width else torch.ops.mkldnn._reorder_linear_weight(w)
                 hit = self._packs[key] = (stamp, w, b)
         return hit[1:]
 
@@ -217,34 +245,62 @@ class Linears:
             for group in (qkv, (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
                 if self.stacks(*group):
                     self._stack(group, group[0].weight.dtype)
-        if self.stacks(model.lm_head):
-            self._stack((model.lm_head,), torch.float32)
+        head = model.lm_head
+        if self.stacks(head):
+            self._stack((head,), self._operands(head.weight.dtype, head.in_features, torch.float32))
+
+    def _operands(self, x_dtype: torch.dtype, n_in: int, dtype: torch.dtype) -> torch.dtype:
+        """What a GEMM with output ``dtype`` multiplies in: bfloat16 inputs stay bfloat16 where
+        ``panel_gemm_bf16.c`` runs (a bfloat16 model's float32 head too: the same products from half
+        the weight bytes, no float32 copy), else ``dtype``."""
+        return torch.bfloat16 if x_dtype == torch.bfloat16 and self._width(x_dtype, n_in) else dtype
 
     def stacks(self, *layers: nn.Module, x: torch.Tensor | None = None) -> bool:
         """Whether :meth:`stacked` runs ``layers`` (on ``x``) as one GEMM: ``onednn``, plain linear
-        layers, and not a single float32 row, which ``gemv.c`` or torch's own matrix-vector product
-        reads at the memory's speed (on SmolLM2's layers, one core: 0.89x oneDNN's time)."""
-        one_row = x is not None and x.dtype == torch.float32 and x.numel() == x.shape[-1]
+        layers, and not a single row that ``gemv.c`` (or, for float32, torch's own matrix-vector
+        product) reads at the memory's speed (on SmolLM2's layers, one core: 0.89x oneDNN's time)."""
+        one_row = (
+            x is not None
+            and x.numel() == x.shape[-1]
+            and (x.dtype == torch.float32 or (self.gemv is not None and x.dtype == torch.bfloat16))
+        )
         return self.onednn and not one_row and all(type(m) is nn.Linear for m in layers)
 
     def stacked(self, x: torch.Tensor, *layers: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The outputs of ``layers`` on ``x``, concatenated, from one GEMM (see :meth:`stacks`)."""
+        """The outputs of ``layers`` on ``x``, concatenated, in ``dtype`` (default ``x``'s), from one
+        GEMM (see :meth:`stacks`)."""
         dtype = dtype or x.dtype
-        w, b = self._stack(layers, dtype)
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        if self.panel_gemm is not None and dtype == torch.float32:
-            y = self.on_panels(x2, w, sum(m.out_features for m in layers), b)
+        operands = self._operands(x.dtype, x.shape[-1], dtype)
+        w, b = self._stack(layers, operands)
+        x2 = x.reshape(-1, x.shape[-1]).to(operands)
+        if self._width(operands, x.shape[-1]):
+            y = self.on_panels(x2, w, sum(m.out_features for m in layers), b, dtype)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
         return y.view(*x.shape[:-1], -1)
 
-    def on_panels(self, x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None):
-        """``x [M, in] @ weight.T + bias`` in float32 by ``panel_gemm.c`` on the weight's ``panels``."""
+    def on_panels(
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        n_out: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``x [M, in] @ weight.T + bias`` by ``panel_gemm.c`` (float32 ``x``) or ``panel_gemm_bf16.c``
+        (bfloat16 ``x``) on the weight's ``panels``: float32 sums, the output in ``dtype``. A bias is
+        added to the float32 sums before rounding, as a native bfloat16 GEMM adds it."""
         x = x.contiguous()
-        out = x.new_empty(x.shape[0], n_out)
-        args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1]
-        traced("compactrl::panel_gemm", self.panel_gemm, *args, torch.get_num_threads())
-        return out if bias is None else out.add_(bias)
+        if x.dtype == torch.float32:
+            out = x.new_empty(x.shape[0], n_out)
+            args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1]
+            traced("compactrl::panel_gemm", self.panel_gemm, *args, torch.get_num_threads())
+            return out if bias is None else out.add_(bias)
+        rounded = dtype == torch.bfloat16 and bias is None  # else float32 sums, rounded after the bias
+        out = x.new_empty(x.shape[0], n_out, dtype=torch.bfloat16 if rounded else torch.float32)
+        args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1], int(rounded)
+        traced("compactrl::panel_gemm_bf16", self.panel_gemm_bf16, *args, torch.get_num_threads())
+        return out if bias is None else out.add_(bias).to(dtype)
 
     # ---- layers -------------------------------------------------------------------------------
     def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +336,7 @@ class Linears:
         head = lm.lm_head
         if self._one_row(hidden, head):
             return self.row(hidden, head.weight, head.bias)
-        if self.stacks(head):  # a low-precision head reordered as float32
+        if self.stacks(head):  # a low-precision head: float32 products, see _head_weights
             return self.stacked(hidden, head, dtype=torch.float32)
         if not (self.low_precision and type(head) is nn.Linear):
             return head(hidden).float()

@@ -1,0 +1,93 @@
+/* panel_gemm.c for bfloat16 models on CPUs with bfloat16 dot products (AVX512-BF16):
+ * y [M, N] = x [M, K] @ w [N, K]^T with x and w bfloat16, float32 sums, y float32 or rounded to
+ * bfloat16 (round to nearest even, as torch rounds).
+ *
+ * vdpbf16ps multiplies two pairs of bfloat16 exactly and adds both products to a float32 lane, so
+ * the weights are packed by pairs of k: wp [ceil(N / NR), K / 2, NR, 2], one panel of NR output
+ * features a contiguous stream, one 64-byte line 16 features' pair. A tile of MR rows x NR
+ * features keeps its sums in 2 x MR registers and per pair of k reads two lines and MR input
+ * pairs (each broadcast to all lanes). As in panel_gemm.c, the tiles of a panel share out
+ * prefetching the next panel, so few rows (decode) read the weights at the memory's speed, and
+ * many rows (prefill) read each panel once for all of them. A row's result does not depend on
+ * the other rows or the thread count. K even; x and y contiguous.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AVX512BF16__)
+#error "panel_gemm_bf16.c needs AVX512-BF16 (vdpbf16ps)"
+#endif
+
+#define NR 32
+#define MR 8 /* 16 accumulators, 2 weight lines, 1 broadcast: 19 of AVX-512's 32 registers */
+
+static inline uint16_t to_bf16(float f) { /* torch's rounding: nearest even, NaN to a quiet NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, void *y,
+                                                       int64_t N, int64_t K, int64_t n0, const int mr,
+                                                       int out_bf16, const uint16_t *next, int64_t t,
+                                                       int64_t T) {
+    __m512 a[MR], b[MR];
+    for (int m = 0; m < MR; m++) a[m] = b[m] = _mm512_setzero_ps();
+    int64_t c = t;
+    for (int64_t p = 0; p < K / 2; p++) {
+        __m512bh wa = (__m512bh)_mm512_loadu_si512(w + p * 2 * NR);
+        __m512bh wb = (__m512bh)_mm512_loadu_si512(w + p * 2 * NR + NR);
+        if (next && c == 0) {
+            __builtin_prefetch(next + p * 2 * NR, 0, 1);
+            __builtin_prefetch(next + p * 2 * NR + NR, 0, 1);
+        }
+        c = c ? c - 1 : T - 1;
+        for (int m = 0; m < mr; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * K + 2 * p, 4);
+            __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
+            a[m] = _mm512_dpbf16_ps(a[m], xs, wa);
+            b[m] = _mm512_dpbf16_ps(b[m], xs, wb);
+        }
+    }
+    int64_t n = N - n0 < NR ? N - n0 : NR; /* the last panel may be partly padding */
+    for (int m = 0; m < mr; m++) {
+        float s[NR];
+        _mm512_storeu_ps(s, a[m]);
+        _mm512_storeu_ps(s + 16, b[m]);
+        if (out_bf16) {
+            uint16_t *ym = (uint16_t *)y + m * N + n0;
+            for (int64_t j = 0; j < n; j++) ym[j] = to_bf16(s[j]);
+        } else {
+            memcpy((float *)y + m * N + n0, s, n * 4);
+        }
+    }
+}
+
+void panel_gemm_bf16(const uint16_t *x, const uint16_t *wp, void *y, int64_t M, int64_t N, int64_t K,
+                     int out_bf16, int threads) {
+    int64_t P = (N + NR - 1) / NR, T = (M + MR - 1) / MR;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const uint16_t *w = wp + p * K * NR, *next = p + 1 < P ? w + K * NR : 0;
+        for (int64_t r = 0; r < M; r += MR) {
+            const uint16_t *xr = x + r * K;
+            void *yr = out_bf16 ? (void *)((uint16_t *)y + r * N) : (void *)((float *)y + r * N);
+            switch (M - r < MR ? M - r : MR) { /* constant row counts: the row loop unrolls */
+            case 8: tile(xr, w, yr, N, K, p * NR, 8, out_bf16, next, r / MR, T); break;
+            case 7: tile(xr, w, yr, N, K, p * NR, 7, out_bf16, next, r / MR, T); break;
+            case 6: tile(xr, w, yr, N, K, p * NR, 6, out_bf16, next, r / MR, T); break;
+            case 5: tile(xr, w, yr, N, K, p * NR, 5, out_bf16, next, r / MR, T); break;
+            case 4: tile(xr, w, yr, N, K, p * NR, 4, out_bf16, next, r / MR, T); break;
+            case 3: tile(xr, w, yr, N, K, p * NR, 3, out_bf16, next, r / MR, T); break;
+            case 2: tile(xr, w, yr, N, K, p * NR, 2, out_bf16, next, r / MR, T); break;
+            default: tile(xr, w, yr, N, K, p * NR, 1, out_bf16, next, r / MR, T);
+            }
+        }
+    }
+}
+
+/* Output features per panel: the packing in Python must use the same. */
+int panel_width_bf16(void) { return NR; }
