@@ -7,19 +7,21 @@ import threading
 import time
 from contextlib import contextmanager
 
+import anyio
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
 import uvicorn
+from fastapi.responses import StreamingResponse
 
 from compactrl.agent.chat import ChatFormat
 from compactrl.bench.serve import free_port
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 from compactrl.models.tiny import write_tiny_model
 from compactrl.rl.forward import stream_logprobs
-from compactrl.serve.app import create_app
+from compactrl.serve.app import ClosingStream, create_app
 from compactrl.serve.server import Server
 from compactrl.trace import Trace
 
@@ -411,6 +413,38 @@ def test_a_client_that_disconnects_mid_stream_cancels_and_the_session_stays_cons
         nxt = h.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
     assert nxt.status_code == 200
     assert nxt.json()["usage"]["evicted_tokens"] > 0  # the unsent partial answer left the stream
+
+
+def test_a_stream_cancelled_while_sending_closes_its_body_at_once():
+    """The hang-up that lands while a chunk is being sent cancels the send, not the body; the
+    server's stream closes the body then (its cleanup releases the session). A plain
+    StreamingResponse (the negative control) leaves it suspended for the garbage collector."""
+
+    async def cleanups(response_class) -> list[str]:
+        closed = []
+
+        async def body():
+            try:
+                for i in range(100):
+                    yield f"data: {i}\n\n"
+            finally:
+                closed.append("closed")
+
+        gen = body()  # held here: only an explicit close runs its cleanup before this returns
+        sent = 0
+
+        async def send(message):
+            nonlocal sent
+            sent += 1
+            if sent == 3:
+                await anyio.sleep_forever()  # a client that stopped reading, then hangs up
+
+        with anyio.move_on_after(0.2):
+            await response_class(gen, media_type="text/event-stream").stream_response(send)
+        return list(closed)
+
+    assert asyncio.run(cleanups(StreamingResponse)) == []
+    assert asyncio.run(cleanups(ClosingStream)) == ["closed"]
 
 
 def test_a_full_queue_answers_429_with_retry_after(model_dir):

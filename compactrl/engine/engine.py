@@ -57,9 +57,10 @@ class EngineConfig(BaseModel):
         description="GEMM kernels: native (torch's), onednn (a CPU: weights reordered once into oneDNN's "
         "layout, gate and up in one GEMM; float32, or bfloat16 with native bfloat16 GEMMs), float32 "
         "(bfloat16/float16 weights converted block by block, float32 GEMM, output rounded), or auto "
-        "(onednn where it applies, else float32 for steps of 2+ tokens on a CPU without native "
-        "bfloat16 GEMMs, else native; on a CPU a one-token step's products run a C matrix-vector "
-        "kernel, float32 or bfloat16 without native bfloat16 GEMMs, where it builds)",
+        "(on a CPU the engine's C kernels where they build: a matrix-vector kernel for one row, "
+        "float32 or bfloat16, and panel GEMMs for 2+ rows, float32 or bfloat16 with AVX512-BF16; "
+        "else onednn where it applies, float32 for steps of 2+ tokens on a CPU without native "
+        "bfloat16 GEMMs, native otherwise)",
     )
     attention: AttentionMode = Field(
         "auto",

@@ -20,6 +20,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -49,6 +50,19 @@ ROUTES = (
     "/metrics",
     "/v1/load_weights",
 )
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed answer that closes its body however the response ends. A client that hangs up
+    while a chunk is being sent cancels the send, not the body, which (with the request's session
+    still busy) would otherwise wait to be closed until the garbage collector found it."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 def create_app(server: Server) -> FastAPI:
@@ -211,13 +225,14 @@ def create_app(server: Server) -> FastAPI:
         first = await events.__anext__()  # started: its cleanup runs even if the client never reads
 
         async def body():
-            yield first
-            async for e in events:
-                yield e
+            try:
+                yield first
+                async for e in events:
+                    yield e
+            finally:
+                await events.aclose()
 
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return ClosingStream(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
