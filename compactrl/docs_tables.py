@@ -122,27 +122,21 @@ def _sampling(result: str) -> str:
 
 
 def _panel_gemm(result: str) -> str:
-    """`scripts/panel_gemm_ab.py`: SmolLM2's products at 2 to 2,048 rows, panel_gemm.c against oneDNN,
-    and the kernel's GFLOP/s as a share of the core's FMA peak (``scripts/fma_peak.c``)."""
+    """`scripts/panel_gemm_ab.py`: SmolLM2's products at 2 to 2,048 rows, the panel kernel against
+    oneDNN, and its GFLOP/s as a share of the core's peak (``scripts/fma_peak.c``: float32 FMAs, or
+    bfloat16 dot products for ``--dtype bfloat16``)."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
-    names, peak = ["panel_gemm", "onednn"], r["fma_peak_gflop_per_s"]
+    bf16 = r.get("dtype") == "bfloat16"
+    kernel, peak_name = ("panel_gemm_bf16.c", "dot peak") if bf16 else ("panel_gemm.c", "FMA peak")
+    names, peak = ["panel_gemm", "onednn"], r["dot_peak_gflop_per_s" if bf16 else "fma_peak_gflop_per_s"]
     rows = [[f"{s['rows']}{'' if s['head'] else ' (no head)'}", *(f"{s['ms'][k]:.1f}" for k in names),
              *(f"{s['gb_per_s'][k]:.1f}" for k in names), *(f"{s['gflop_per_s'][k]:.1f}" for k in names),
              f"{s['gflop_per_s']['panel_gemm'] / peak:.2f}", f"{s['speed_up']:.2f}"]
             for s in r["settings"]]  # fmt: skip
-    heads = [
-        "rows",
-        "panel_gemm.c ms",
-        "oneDNN ms",
-        "panel_gemm.c GB/s",
-        "oneDNN GB/s",
-        "panel_gemm.c GFLOP/s",
-        "oneDNN GFLOP/s",
-        "panel_gemm.c / FMA peak",
-        "panel_gemm.c speed-up",
-    ]
+    heads = ["rows", f"{kernel} ms", "oneDNN ms", f"{kernel} GB/s", "oneDNN GB/s", f"{kernel} GFLOP/s"]
+    heads += ["oneDNN GFLOP/s", f"{kernel} / {peak_name}", f"{kernel} speed-up"]
     return markdown_table(heads, rows)
 
 
@@ -150,9 +144,11 @@ def _panel_prefill(result: str) -> str:
     """`scripts/panel_gemm_ab.py --model`: whole prefills with oneDNN and with panel_gemm.c."""
     from compactrl.bench.harness import markdown_table
 
+    r = json.loads(Path(result).read_text())
     rows = [[s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in ("onednn", "panel_gemm")),
-             f"{s['speed_up']:.2f}"] for s in json.loads(Path(result).read_text())["prefills"]]  # fmt: skip
-    heads = ["sessions", "prompt tokens", "prefill with oneDNN ms", "with panel_gemm.c ms", "speed-up"]
+             f"{s['speed_up']:.2f}"] for s in r["prefills"]]  # fmt: skip
+    kernel = "panel_gemm_bf16.c" if r.get("dtype") == "bfloat16" else "panel_gemm.c"
+    heads = ["sessions", "prompt tokens", "prefill with oneDNN ms", f"with {kernel} ms", "speed-up"]
     return markdown_table(heads, rows)
 
 

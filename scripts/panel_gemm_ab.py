@@ -88,14 +88,20 @@ def products(rows: int, rounds: int, dtype: torch.dtype) -> dict:
             "max_rel_err_vs_float64": float(err.max()), "rounds_ms": ms}  # fmt: skip
 
 
-def fma_peak(steps: int = 50_000_000, repeats: int = 3) -> float:
-    """GFLOP/s of ``fma_peak.c``'s independent FMA chains on one core (best of ``repeats``)."""
-    signatures = {"fma_chains": ([ctypes.c_int64], ctypes.c_float), "fma_flops_per_step": ([], ctypes.c_int)}
+def fma_peak(kind: str = "fma", steps: int = 50_000_000, repeats: int = 3) -> float | None:
+    """GFLOP/s of ``fma_peak.c``'s independent chains on one core (best of ``repeats``): float32 FMAs
+    (``fma``), or bfloat16 dot products (``dot``; None on a CPU without them)."""
+    chains, per_step = (
+        ("fma_chains", "fma_flops_per_step") if kind == "fma" else ("dpbf16_chains", "dot_flops_per_step")
+    )
+    signatures = {chains: ([ctypes.c_int64], ctypes.c_float), per_step: ([], ctypes.c_int)}
     lib = compile_c(Path(__file__).with_name("fma_peak.c"), signatures)
     if isinstance(lib, str):
         raise SystemExit(lib)
-    best_ms = min(in_ms(lambda: lib.fma_chains(steps))() for _ in range(repeats))
-    return steps * lib.fma_flops_per_step() / best_ms / 1e6
+    if not getattr(lib, per_step)():
+        return None
+    best_ms = min(in_ms(lambda: getattr(lib, chains)(steps))() for _ in range(repeats))
+    return steps * getattr(lib, per_step)() / best_ms / 1e6
 
 
 def toggle(eng):
@@ -168,6 +174,7 @@ def main() -> None:
         print(f"prefill {s['sessions']}x{s['tokens']}: ms {s['ms']} speed-up {s['speed_up']:.2f}")
     result = {"machine": machine_info(a.threads), "dtype": a.dtype, "rounds": a.rounds,
               "read_gb_per_s": read_bandwidth() / 1e9, "fma_peak_gflop_per_s": fma_peak(),
+              "dot_peak_gflop_per_s": fma_peak("dot"),
               "settings": settings, "model": a.model, "steps": whole, "prefills": fills}  # fmt: skip
     read, peak = result["read_gb_per_s"], result["fma_peak_gflop_per_s"]
     print(f"summing pass reads {read:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s")

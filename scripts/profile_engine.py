@@ -29,7 +29,8 @@ from compactrl.engine import Engine, EngineConfig, SamplingParams
 
 KINDS = {  # aten op -> kind (ops not named here count as "other")
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
-             "mkldnn::_linear_pointwise", "compactrl::gemv", "compactrl::panel_gemm"),
+             "mkldnn::_linear_pointwise", "compactrl::gemv", "compactrl::panel_gemm",
+             "compactrl::panel_gemm_bf16"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::logsumexp", "aten::masked_fill",
                   "aten::masked_fill_", "aten::_softmax", "aten::softmax", "compactrl::decode_attention"),
