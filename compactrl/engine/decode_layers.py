@@ -99,7 +99,7 @@ class DecodeLayers:
 
     def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
         """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
-        # unless turned off since
+        # the product kernel this step needs, unless an A/B turned it off since
         product = self.linears.gemv if sessions == 1 else panel_kernel(self.linears)
         if self.fn is None or product is None or sessions < 1 or prefill or keep_queries:
             return False
