@@ -20,7 +20,7 @@
  *
  * x [B, d] is updated in place. table holds SLOTS pointers per layer (see the enum); for B == 1
  * the weights are the modules' row-major ones (gate and up apart), for B >= 2 the panel kernel's
- * panels (gate and up stacked). work holds WORK(B) floats (see below), Q = (H + 2*Hkv) * D;
+ * panels (gate and up stacked). work is laid out at the top of decode_layers(), Q = (H + 2*Hkv) * D;
  * valid [rows, vcap] and scratch as decode_attention.c takes them.
  * Returns the attention kernel's error code (0: fine).
  */
@@ -129,9 +129,13 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
                          bf16 ? (void *)a16 : (void *)att, (int)B, (int)Hkv, (int)(H / Hkv), (int)D, cap,
                          1.f / sqrtf((float)D), bf16, scratch, longest, threads);
         if (err) return err;
-        if (bf16)
-            for (int64_t i = 0; i < B * H * D; i++) att[i] = from16(a16[i]);
-        linear(att, t[O], proj, B, d, H * D, gemv, gemm, bf16, a16, threads);
+        if (bf16 && B > 1) { /* the attention's bfloat16 output is the product's input as it is */
+            ((gemm16_fn)gemm)(a16, t[O], proj, B, d, H * D, 0, threads);
+        } else {
+            if (bf16)
+                for (int64_t i = 0; i < H * D; i++) att[i] = from16(a16[i]);
+            linear(att, t[O], proj, B, d, H * D, gemv, gemm, bf16, a16, threads);
+        }
         for (int64_t i = 0; i < B * d; i++) xf[i] = R(xf[i] + R(proj[i]));
         rmsnorm(xf, t[POST_NORM], h, B, d, eps, bf16);
         if (B == 1) { /* gate and up apart, as the modules hold them */
