@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from compactrl.engine.chunk_attention import ChunkAttention
 from compactrl.engine.decode_attention import AttentionMode, DecodeAttention
 from compactrl.engine.decode_layers import DecodeLayers
 from compactrl.engine.fused import FusedProjection
@@ -64,10 +65,11 @@ class EngineConfig(BaseModel):
     )
     attention: AttentionMode = Field(
         "auto",
-        description="decode attention: kernel (a C kernel for one query token per session over its "
-        "cache row, holes skipped, compiled on first use with the system C compiler; CPU, float32 or "
-        "bfloat16), sdpa (torch's scaled_dot_product_attention), or auto (kernel where it builds, "
-        "else sdpa)",
+        description="attention: kernel (C kernels compiled on first use with the system C compiler, "
+        "CPU, float32 or bfloat16: one for decode tokens, one query token per session over its cache "
+        "row with holes skipped, and one for prompt chunks, each token over its own row up to itself "
+        "with holes masked), sdpa (torch's scaled_dot_product_attention), or auto (kernel where it "
+        "builds, else sdpa)",
     )
 
 
@@ -87,6 +89,7 @@ class Engine:
         self.linears = Linears(model, self.config.matmul)
         self.linears.prepare(model)
         self.attention = DecodeAttention.of(model, self.config.attention)
+        self.chunk_attention = ChunkAttention.of(model, self.config.attention)
         self.decode_layers = DecodeLayers(model, self.linears, self.projections, self.attention)
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         c = self.config
@@ -247,6 +250,7 @@ class Engine:
                     self.linears,
                     self.attention,
                     self.decode_layers,
+                    self.chunk_attention,
                 )
             self.totals["forward_s"] += time.perf_counter() - t0
             for i, f in enumerate(feeds):

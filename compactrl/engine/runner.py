@@ -3,9 +3,10 @@
 All tokens of the step go through the linear layers together (``[1, N, d]``). Attention is
 where sessions differ: single decode tokens of sessions without a shared prefix attend their
 rows batched (one call of the decode attention kernel, :mod:`~compactrl.engine.decode_attention`,
-or one SDPA per run of consecutive rows, each a view of the cache); first prefill
-chunks of equal length share one causal SDPA; later chunks (and sessions reading a forked
-prefix) attend per session, merging the prefix and own-row parts by log-sum-exp.
+or one SDPA per run of consecutive rows, each a view of the cache); prompt chunks over their own
+row likewise (one call of :mod:`~compactrl.engine.chunk_attention`; without it, first chunks of
+equal length share one causal SDPA and later ones attend per session); sessions reading a forked
+prefix attend per session, merging the prefix and own-row parts by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
+from compactrl.engine.chunk_attention import ChunkAttention
 from compactrl.engine.decode_attention import DecodeAttention
 from compactrl.engine.decode_layers import DecodeLayers
 from compactrl.engine.fused import FusedProjection
@@ -121,11 +123,13 @@ def forward_step(
     linears: Linears | None = None,
     attention: DecodeAttention | None = None,
     layers: DecodeLayers | None = None,
+    chunks: ChunkAttention | None = None,
 ) -> dict[int, torch.Tensor]:
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask.
     ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`);
     ``attention`` the batched decode tokens' attention (SDPA when ``None``); ``layers`` all layers
-    of a step of decode tokens only, in one call, where it applies."""
+    of a step of decode tokens only, in one call, where it applies; ``chunks`` the attention of
+    prompt chunks over their own rows (SDPA when ``None``)."""
     device = kv.device
     lin = linears or Linears(model, "native")
     dec, rest = step_order(feeds)
@@ -158,9 +162,12 @@ def forward_step(
             ~visible, float("-inf")
         )
 
-    later = [f for f in rest if not _fresh(f)]
+    own = [f for f in rest if not f.chain] if chunks is not None and chunks.kind == "kernel" else []
+    if own:  # (offset, row, first entry, tokens) of each chunk over its own row: one kernel call
+        own_rows = torch.tensor([[offsets[id(f)], f.row, f.entry, f.n] for f in own])
+    later = [f for f in rest if f.chain] if own else [f for f in rest if not _fresh(f)]
     # fresh chunks come first in rest, by length (step_order): each group's tokens are one block
-    fresh = [list(g) for _, g in groupby((f for f in rest if _fresh(f)), key=lambda f: f.n)]
+    fresh = [] if own else [list(g) for _, g in groupby((f for f in rest if _fresh(f)), key=lambda f: f.n)]
     capture = [f for f in feeds if f.keep_q]
     for f in rest:
         o = offsets[id(f)]
@@ -200,6 +207,8 @@ def forward_step(
                 parts = [_attend_rows(qd, K, V, d_mask, *run) for run in runs]
                 od = parts[0] if len(parts) == 1 else torch.cat(parts)
             out[:B] = od.reshape(B, *q.shape[1:])
+        if own:
+            chunks(q, K, V, kv.valid, own_rows, out)
         for group in fresh:  # first chunks of equal length: one causal SDPA on views of the block
             a, b = offsets[id(group[0])], offsets[id(group[-1])] + group[-1].n
             qs, ks, vs = (t[a:b].unflatten(0, (len(group), -1)).transpose(1, 2) for t in (q, k, v))

@@ -1,0 +1,300 @@
+/* Attention of prompt chunks: each query token of a chunk over its session's cache row, up to its
+ * own entry, holes (valid == 0) masked. The prefill half of a step (decode_attention.c is the
+ * one-token half).
+ *
+ * A work item is ROWS / G query tokens of one chunk and one KV head: their query rows (the G heads
+ * sharing the KV head, token-major) go over the row's keys in blocks of KB, flash style: scores of
+ * a block as tiles of MR rows x KB keys (2 x MR vector sums, a tile per D-long pass, as a GEMM
+ * kernel), an online softmax per row (running maximum and sum, earlier sums rescaled), then the
+ * block's V rows weighted into the row's float32 output. Keys past a row's own entry and holes
+ * weigh exactly 0; a block entirely before the item's first token and without holes needs no mask.
+ * torch's flash kernel runs this at about 50 GFLOP/s on one core whatever the CPU (SmolLM2's
+ * shapes); these tiles keep the FMA units busier.
+ *
+ * Layouts (elements): q [N, Hkv*G, D] token rows of stride q_stride, heads contiguous; K, V one
+ * layer's cache [rows, Hkv, cap, D], contiguous; valid [rows, vcap] bytes; chunks [C, 4] int64
+ * (token offset in q and out, cache row, first entry, tokens); out [N, Hkv*G, D] contiguous.
+ * float32 or bfloat16 storage (bf16 != 0), float32 arithmetic, output rounded once. Returns 1
+ * when G, D are past the kernel's bounds (D a multiple of LANES up to MAX_D), 2 when a chunk
+ * runs past the cache.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#if LANES == 16
+#define NV 4 /* vectors per score tile row: 4 x MR sums and 4 keys' vectors, 28 of 32 registers */
+#else
+#define NV 2 /* 2 x MR sums and 2 keys' vectors, 14 of AVX2's 16 registers */
+#endif
+#define KB (NV * LANES) /* keys per block: a score tile's width */
+#define MR 6           /* rows per score tile: 12 vector sums */
+#define RV 3           /* rows per pass of P V: 3 x DV vector sums */
+#define DV 4           /* vectors of an output row summed per pass */
+#define ROWS 48        /* query rows per work item (ROWS / G tokens): q, o, a block's K, V and
+                          scores stay in a 48 KB L1 at D = 64 */
+#define MAX_G 16
+#define MAX_D 256
+#define MAX_R ROWS /* a multiple of MR and RV */
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf vmax(vf a, vf b) {
+    vi a_wins = a > b;
+    return (vf)(((vi)a & a_wins) | ((vi)b & ~a_wins));
+}
+
+/* Lane swaps of 8, 4, 2 and 1: folding a vector's halves onto each other with the last LANES / 2
+ * of them leaves every lane holding all lanes' maximum (or sum), where a scalar loop would be one
+ * chain of dependent operations. */
+static const int32_t swaps[4][16] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                                     {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                                     {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                                     {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+#define FIRST_SWAP (LANES == 16 ? 0 : LANES == 8 ? 1 : 2)
+
+static inline vf swapped(vf v, int w) {
+    vi swap;
+    memcpy(&swap, swaps[w], sizeof swap);
+    return __builtin_shuffle(v, swap);
+}
+
+static inline float hmax(vf v) {
+    for (int w = FIRST_SWAP; w < 4; w++) v = vmax(v, swapped(v, w));
+    return v[0];
+}
+
+static inline float hsum(vf v) {
+    for (int w = FIRST_SWAP; w < 4; w++) v += swapped(v, w);
+    return v[0];
+}
+
+/* e^x for x <= 0 on vectors, as decode_attention.c computes it for one float (2 float32 ulps
+ * against float64 for x >= -20): e^x = 2^n e^r, n = round(x / ln 2), e^r by its Taylor series to
+ * r^7; -inf (a masked score) gives exactly 0. */
+static inline vf exp_nonpositive(vf x) {
+    const vi visible = x > -INFINITY;
+    x = vmax(x, (vf){0} - 87.f);
+    x = -vmax(-x, (vf){0});
+    const vf t = x * 1.44269504f + 0.5f;
+    vi n = __builtin_convertvector(t, vi); /* rounds toward 0: one less where t was negative */
+    n += __builtin_convertvector(n, vf) > t;
+    const vf nf = __builtin_convertvector(n, vf), r = x - nf * 0.693147181f;
+    vf p = r * (1.f / 5040) + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    return (vf)((vi)(p * (vf)((n + 127) << 23)) & visible);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 64); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* s [MR, KB] = q [MR, D] . kt [D, KB] (a block's keys transposed). */
+static inline void scores(const float *q, const float *kt, float *s, int D) {
+    vf acc[MR][NV];
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NV; c++) acc[m][c] = (vf){0};
+    for (int d = 0; d < D; d++) {
+        vf k[NV];
+        for (int c = 0; c < NV; c++) {
+            k[c] = load(kt + d * KB + c * LANES);
+#if defined(__x86_64__)
+            __asm__("" : "+x"(k[c])); /* in registers: GCC would reload them for every row */
+#endif
+        }
+        for (int m = 0; m < MR; m++) {
+            vf x = (vf){0} + q[m * D + d];
+            for (int c = 0; c < NV; c++) acc[m][c] += x * k[c];
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NV; c++) store(s + m * KB + c * LANES, acc[m][c]);
+}
+
+/* o [RV, D] = o * alpha + p [RV, KB] . v [nb, D], dv vectors of D at a time. */
+static inline __attribute__((always_inline)) void weigh(const float *p, const float *alpha, const float *v,
+                                                        int nb, float *o, int D, const int dv) {
+    for (int d0 = 0; d0 < D; d0 += dv * LANES) {
+        vf acc[RV][DV];
+        for (int r = 0; r < RV; r++)
+            for (int c = 0; c < dv; c++) acc[r][c] = load(o + r * D + d0 + c * LANES) * alpha[r];
+        for (int j = 0; j < nb; j++) {
+            vf vj[DV];
+            for (int c = 0; c < dv; c++) {
+                vj[c] = load(v + j * D + d0 + c * LANES);
+#if defined(__x86_64__)
+                __asm__("" : "+x"(vj[c])); /* in registers: GCC would reload them for every row */
+#endif
+            }
+            for (int r = 0; r < RV; r++) {
+                vf x = (vf){0} + p[r * KB + j];
+                for (int c = 0; c < dv; c++) acc[r][c] += x * vj[c];
+            }
+        }
+        for (int r = 0; r < RV; r++)
+            for (int c = 0; c < dv; c++) store(o + r * D + d0 + c * LANES, acc[r][c]);
+    }
+}
+
+/* Vectors of an output row summed per pass of P V: the most, up to DV, that divide D's. */
+static int vectors_per_pass(int D) {
+    int dv = DV;
+    while (D % (dv * LANES)) dv--;
+    return dv;
+}
+
+/* One work item: the G * nt query rows q [R, D] (scaled; R a multiple of MR, rows past G * nt
+ * zero) of nt tokens, token t at entry first + t, over entries [0, first + nt) of one KV head:
+ * kt its keys packed by blocks [blocks, D, KB] (zero past the last), v its values [entries, D]
+ * as float32. o [R, D]. */
+static void attend_item(const float *q, int R, int nt, int G, int D, const float *kt, const float *v,
+                        const uint8_t *valid, int64_t first, float *o) {
+    float s[MAX_R * KB], m[MAX_R], l[MAX_R], alpha[MAX_R], mb[MAX_R];
+    const int64_t end = first + nt;
+    const int dv = vectors_per_pass(D);
+    for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.f;
+    memset(o, 0, sizeof(float) * R * D);
+    for (int64_t j0 = 0; j0 < end; j0 += KB, kt += D * KB) {
+        const int nb = end - j0 < KB ? (int)(end - j0) : KB;
+        for (int r0 = 0; r0 < R; r0 += MR) scores(q + r0 * D, kt, s + r0 * KB, D);
+        int holes = nb < KB;
+        for (int j = 0; j < nb; j++) holes |= !valid[j0 + j];
+        const int causal = j0 + KB - 1 > first; /* some key of the block is past the first token */
+        for (int r = 0; r < R; r++) { /* mask, then each row's largest score in the block */
+            float *sr = s + r * KB;
+            const int64_t last = first + r / G - j0; /* the row's last visible key in the block */
+            if (holes || causal)
+                for (int j = 0; j < KB; j++)
+                    if (j > last || j >= nb || !valid[j0 + j]) sr[j] = -INFINITY;
+            vf mv = load(sr);
+            for (int c = 1; c < NV; c++) mv = vmax(mv, load(sr + c * LANES));
+            mb[r] = hmax(mv);
+        }
+        for (int r = 0; r < R; r++) { /* new maxima and the factors rescaling the rows' sums */
+            const float mn = mb[r] > m[r] ? mb[r] : m[r];
+            alpha[r] = m[r] == -INFINITY ? 0.f : exp_nonpositive((vf){0} + (m[r] - mn))[0];
+            m[r] = mn;
+        }
+        for (int r = 0; r < R; r++) { /* weights; a row with nothing visible yet weighs all 0 */
+            float *sr = s + r * KB;
+            vf sum = (vf){0};
+            for (int c = 0; c < NV; c++) {
+                const vf p = exp_nonpositive(load(sr + c * LANES) - m[r]);
+                store(sr + c * LANES, p);
+                sum += p;
+            }
+            l[r] = l[r] * alpha[r] + hsum(sum);
+        }
+        const float *vj = v + j0 * D;
+        for (int r0 = 0; r0 < R; r0 += RV) {
+            const float *pr = s + r0 * KB, *ar = alpha + r0;
+            switch (dv) { /* constant vector counts: the loops unroll into registers */
+            case 4: weigh(pr, ar, vj, nb, o + r0 * D, D, 4); break;
+            case 3: weigh(pr, ar, vj, nb, o + r0 * D, D, 3); break;
+            case 2: weigh(pr, ar, vj, nb, o + r0 * D, D, 2); break;
+            default: weigh(pr, ar, vj, nb, o + r0 * D, D, 1);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f; /* a row with nothing visible attends to nothing */
+        for (int d = 0; d < D; d++) o[r * D + d] *= inv;
+    }
+}
+
+/* Floats of scratch a call of C chunks needs: each one's keys packed and values as float32. */
+int64_t scratch_floats(const int64_t *chunks, int C, int Hkv, int D) {
+    int64_t n = 0;
+    for (int c = 0; c < C; c++) n += (chunks[4 * c + 2] + chunks[4 * c + 3] + KB - 1) / KB * KB;
+    return 2 * n * Hkv * D;
+}
+
+int chunk_attention(const void *q, int64_t q_stride, const void *K, const void *V, const uint8_t *valid,
+                    int64_t vcap, const int64_t *chunks, int C, void *out, int Hkv, int G, int D, int64_t cap,
+                    float scale, int bf16, float *scratch, int threads) {
+    if (G > MAX_G || D > MAX_D || D % LANES) return 1;
+    const int QT = ROWS / G > 1 ? ROWS / G : 1; /* query tokens per work item */
+    int64_t items = 0;
+    for (int c = 0; c < C; c++) {
+        if (chunks[4 * c + 2] + chunks[4 * c + 3] > (cap < vcap ? cap : vcap)) return 2;
+        items += (chunks[4 * c + 3] + QT - 1) / QT;
+    }
+    const int H = Hkv * G;
+    /* each (chunk, KV head)'s keys packed by blocks and values widened once, for all its items;
+     * holes and padding zero (a hole's stale or uninitialised bytes never meet a weight) */
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic)
+    for (int64_t ph = 0; ph < (int64_t)C * Hkv; ph++) {
+        const int64_t c = ph / Hkv, h = ph % Hkv, *ch = chunks + 4 * c, end = ch[2] + ch[3];
+        const int64_t padded = (end + KB - 1) / KB * KB;
+        float *kt = scratch + scratch_floats(chunks, c, Hkv, D) + 2 * h * padded * D, *vb = kt + padded * D;
+        const uint8_t *live = valid + ch[1] * vcap;
+        const size_t kv_at = (size_t)((ch[1] * Hkv + h) * cap) * D;
+        for (int64_t j = 0; j < padded; j++)
+            for (int d = 0; d < D; d++) {
+                const size_t at = kv_at + j * D + d;
+                const int read = j < end && live[j];
+                kt[(j / KB) * D * KB + d * KB + j % KB] = !read ? 0.f : bf16 ? from_bf16(((const uint16_t *)K)[at])
+                                                                             : ((const float *)K)[at];
+                vb[j * D + d] = !read ? 0.f : bf16 ? from_bf16(((const uint16_t *)V)[at]) : ((const float *)V)[at];
+            }
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic)
+    for (int64_t it = 0; it < items * Hkv; it++) {
+        int64_t i = it / Hkv, c = 0; /* the item's chunk: items are numbered chunk by chunk */
+        while (i >= (chunks[4 * c + 3] + QT - 1) / QT) i -= (chunks[4 * c + 3] + QT - 1) / QT, c++;
+        const int64_t *ch = chunks + 4 * c, h = it % Hkv, t0 = i * QT;
+        const int64_t padded = (ch[2] + ch[3] + KB - 1) / KB * KB;
+        const int nt = ch[3] - t0 < QT ? (int)(ch[3] - t0) : QT, R = (nt * G + MR - 1) / MR * MR;
+        float qf[MAX_R * MAX_D], of[MAX_R * MAX_D];
+        memset(qf + nt * G * D, 0, sizeof(float) * (R - nt * G) * D); /* padding rows: whole tiles */
+        for (int t = 0; t < nt; t++) /* the item's query rows, token-major, scaled */
+            for (int e = 0; e < G * D; e++) {
+                const size_t at = (size_t)((ch[0] + t0 + t) * q_stride + h * G * D + e);
+                qf[t * G * D + e] = scale * (bf16 ? from_bf16(((const uint16_t *)q)[at]) : ((const float *)q)[at]);
+            }
+        const float *kt = scratch + scratch_floats(chunks, c, Hkv, D) + 2 * h * padded * D;
+        attend_item(qf, R, nt, G, D, kt, kt + padded * D, valid + ch[1] * vcap, ch[2] + t0, of);
+        for (int t = 0; t < nt; t++)
+            for (int e = 0; e < G * D; e++) {
+                const size_t at = (size_t)((ch[0] + t0 + t) * H + h * G) * D + e;
+                if (bf16) ((uint16_t *)out)[at] = to_bf16(of[t * G * D + e]);
+                else ((float *)out)[at] = of[t * G * D + e];
+            }
+    }
+    return 0;
+}
+
+/* Floats per vector register on this CPU: head sizes must be multiples of it. */
+int vector_floats(void) { return LANES; }

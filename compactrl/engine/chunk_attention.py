@@ -1,0 +1,94 @@
+"""Attention of a step's prompt chunks: each chunk's queries over its own cache row, causal, holes
+masked, every chunk of the step in one call.
+
+torch's SDPA runs a fresh prompt's causal attention at about 50 GFLOP/s on one core of the CPUs
+measured (float32 or bfloat16), a chunk appended to a row with holes slower still (an additive
+mask, the math path). The C kernel in ``chunk_attention.c`` tiles the scores and the weighted
+sum as a GEMM kernel does, with an online softmax in between; on SmolLM2's shapes it takes
+several times less time (``docs/engine_speed.md``). Chunks reading a forked prefix (a chain of
+segments) stay on the torch path.
+
+Compiled on first use for this CPU (:mod:`~compactrl.engine.kernels`); the engine's ``attention``
+mode governs it as it does the decode kernel: ``auto`` uses it where it builds, ``kernel``
+refuses to start without it, ``sdpa`` never uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from compactrl.engine.decode_attention import DTYPES, AttentionMode
+from compactrl.engine.kernels import compile_c, traced
+
+SOURCE = Path(__file__).with_name("chunk_attention.c")
+MAX_G, MAX_D = 16, 256  # the C kernel's fixed bounds on query heads per KV head and head size
+KERNEL_ERRORS = ("", "G or D past the kernel's bounds", "a chunk past the cache")  # by code
+
+
+@cache
+def load_kernel() -> ctypes.CDLL | str:
+    """The compiled kernel, or the reason there is none (no C compiler, a failed build)."""
+    P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    args = [P, I64, P, P, P, I64, P, I, P, I, I, I, I64, F, I, P, I]
+    need = [P, I, I, I]
+    return compile_c(
+        SOURCE, {"chunk_attention": (args, I), "scratch_floats": (need, I64), "vector_floats": ([], I)}
+    )
+
+
+def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> str:
+    """Why the kernel cannot run a model here ('' when it can): ``group`` query heads per KV head."""
+    if device.type != "cpu":
+        return f"the kernel runs on CPU, the model is on {device.type}"
+    if dtype not in DTYPES:
+        return f"the kernel reads float32 or bfloat16 caches, the model is {dtype}"
+    lib = load_kernel()
+    if isinstance(lib, str):
+        return lib
+    step = lib.vector_floats()  # a head is read as whole vectors
+    if group > MAX_G or head_dim > MAX_D or head_dim % step:
+        return f"the kernel takes up to {MAX_G} query heads per KV head and head sizes of {step}k up to {MAX_D}"
+    return ""
+
+
+class ChunkAttention:
+    """Runs chunk attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``)."""
+
+    def __init__(self, mode: AttentionMode, device, dtype: torch.dtype, group: int, head_dim: int):
+        why = "" if mode == "sdpa" else unsupported(torch.device(device), dtype, group, head_dim)
+        if mode == "kernel" and why:
+            raise ValueError(f"attention = 'kernel' cannot run: {why}; set attention = 'auto' or 'sdpa'")
+        self.kind = "sdpa" if mode == "sdpa" or why else "kernel"
+        self.lib = load_kernel() if self.kind == "kernel" else None
+        self.scratch = torch.empty(0)
+
+    @classmethod
+    def of(cls, model, mode: AttentionMode = "auto") -> ChunkAttention:
+        p, c = next(model.parameters()), model.config
+        return cls(mode, p.device, p.dtype, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
+
+    def __call__(self, q, K, V, valid, chunks, out) -> None:
+        """``q [N, H, D]`` (heads contiguous) of a step's tokens; ``chunks [C, 4]`` int64 rows of
+        (offset of the chunk's first token in ``q`` and ``out``, cache row, its first entry, tokens):
+        each token attends to entries ``[0, its own]`` of its row where ``valid [rows, cap]``, in
+        ``K, V [rows, Hkv, cap, D]``; the results go to ``out [N, H, D]``."""
+        H, D = q.shape[1:]
+        Hkv = K.shape[1]
+        assert q.stride(2) == 1 and q.stride(1) == D and K.is_contiguous() and V.is_contiguous()
+        assert out.is_contiguous() and valid.is_contiguous() and q.dtype == K.dtype == V.dtype == out.dtype
+        assert chunks.is_contiguous() and chunks.dtype == torch.int64
+        bf16 = int(q.dtype == torch.bfloat16)
+        need = self.lib.scratch_floats(chunks.data_ptr(), chunks.shape[0], Hkv, D)
+        if self.scratch.numel() < need:  # K packed, V as float32: grows to the largest step, then stays
+            self.scratch = torch.empty(need)
+        args = (
+            q.data_ptr(), q.stride(0), K.data_ptr(), V.data_ptr(), valid.data_ptr(), valid.shape[1],
+            chunks.data_ptr(), chunks.shape[0], out.data_ptr(), Hkv, H // Hkv, D, K.shape[2], D**-0.5,
+            bf16, self.scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        err = traced("compactrl::chunk_attention", self.lib.chunk_attention, *args)
+        assert err == 0, KERNEL_ERRORS[err]
