@@ -40,7 +40,7 @@ from compactrl.bench.harness import (
     interleaved,
     machine_info,
     medians,
-    toggled,
+    toggled_prefills,
     toggled_steps,
 )
 from compactrl.engine import Engine, EngineConfig
@@ -131,21 +131,7 @@ def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: torch.d
     """Median ms to prefill ``sessions`` fresh prompts of ``tokens`` in one engine, each arm in turn."""
     lm = load_model(model, dtype=dtype)
     eng = Engine(lm, None, EngineConfig(kv_pool_tokens=sessions * (tokens + 8), max_step_tokens=2048))
-    use, prompt = toggle(eng), 0
-
-    def prefill(on: bool) -> None:
-        nonlocal prompt
-        use(on)
-        prompt += 1
-        batch = [eng.session() for _ in range(sessions)]
-        for k, s in enumerate(batch):
-            s.append([(7 * (prompt + k) + 13 * i) % (lm.config.vocab_size - 10) + 5 for i in range(tokens)])
-        eng.run()
-        for s in batch:
-            s.close()
-
-    step, speed_up, ms = toggled(prefill, use, "panel_gemm", "onednn", rounds)
-    return {"sessions": sessions, "tokens": tokens, "ms": step, "speed_up": speed_up, "rounds_ms": ms}
+    return toggled_prefills(eng, toggle(eng), "panel_gemm", "onednn", sessions, tokens, rounds)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The prompt-chunk attention kernel against float64 causal attention over holed rows, and the engine with it."""
+"""The prompt-chunk attention kernel against float64 causal attention over holed rows; the engine with it."""
 
 import pytest
 import torch

@@ -111,6 +111,30 @@ def toggled_steps(eng, use: Callable[[bool], None], on: str, off: str, rounds: i
     return {"ms_per_step": step, "speed_up": speed_up, "rounds_ms": ms}
 
 
+def toggled_prefills(
+    eng, use: Callable[[bool], None], on: str, off: str, sessions: int, tokens: int, rounds: int
+) -> dict:
+    """Prefills of ``sessions`` fresh prompts of ``tokens`` in ``eng`` with a kernel in use (arm
+    ``on``) and not (arm ``off``), taking turns (:func:`toggled`); each prefill's sessions are
+    closed after it, so the engine needs room for one prefill only. Median ms, ``on``'s speed-up
+    and every round's times."""
+    prompt, vocab = 0, eng.model.config.vocab_size
+
+    def prefill(flag: bool) -> None:
+        nonlocal prompt
+        use(flag)
+        prompt += 1
+        batch = [eng.session() for _ in range(sessions)]
+        for k, s in enumerate(batch):
+            s.append([(7 * (prompt + k) + 13 * i) % (vocab - 10) + 5 for i in range(tokens)])
+        eng.run()
+        for s in batch:
+            s.close()
+
+    step, speed_up, ms = toggled(prefill, use, on, off, rounds)
+    return {"sessions": sessions, "tokens": tokens, "ms": step, "speed_up": speed_up, "rounds_ms": ms}
+
+
 def toggled(
     run: Callable[[bool], None], use: Callable[[bool], None], on: str, off: str, rounds: int, per: int = 1
 ):

@@ -51,7 +51,7 @@ def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: 
         return lib
     step = lib.vector_floats()  # a head is read as whole vectors
     if group > MAX_G or head_dim > MAX_D or head_dim % step:
-        return f"the kernel takes up to {MAX_G} query heads per KV head and head sizes of {step}k up to {MAX_D}"
+        return f"the kernel takes up to {MAX_G} query heads per KV head, head sizes of {step}k up to {MAX_D}"
     return ""
 
 

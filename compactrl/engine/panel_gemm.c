@@ -26,11 +26,7 @@
 #define LANES 4
 #endif
 #define NR (2 * LANES)
-#if defined(__AVX512F__)
-#define MR 12 /* 24 accumulators and 2 weight vectors: 26 of AVX-512's 32 registers */
-#else
 #define MR 6 /* 12 accumulators and 2 weight vectors: 14 of AVX2's 16 registers */
-#endif
 #define KB 64 /* terms per block sum: float32 sums of K terms in one chain lose ~sqrt(K / KB) more */
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -82,14 +78,6 @@ void panel_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t N,
             const float *xr = x + r * K;
             float *yr = y + r * N;
             switch (M - r < MR ? M - r : MR) { /* constant row counts: the row loop unrolls */
-#if MR > 6
-            case 12: tile(xr, w, yr, N, K, p * NR, 12, next, r / MR, T); break;
-            case 11: tile(xr, w, yr, N, K, p * NR, 11, next, r / MR, T); break;
-            case 10: tile(xr, w, yr, N, K, p * NR, 10, next, r / MR, T); break;
-            case 9: tile(xr, w, yr, N, K, p * NR, 9, next, r / MR, T); break;
-            case 8: tile(xr, w, yr, N, K, p * NR, 8, next, r / MR, T); break;
-            case 7: tile(xr, w, yr, N, K, p * NR, 7, next, r / MR, T); break;
-#endif
             case 6: tile(xr, w, yr, N, K, p * NR, 6, next, r / MR, T); break;
             case 5: tile(xr, w, yr, N, K, p * NR, 5, next, r / MR, T); break;
             case 4: tile(xr, w, yr, N, K, p * NR, 4, next, r / MR, T); break;
