@@ -27,6 +27,7 @@ import torch
 
 from compactrl.bench.harness import machine_info, markdown_table
 from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.engine.chunk_attention import ChunkAttention
 from compactrl.engine.decode_attention import DecodeAttention
 from compactrl.engine.decode_layers import unsupported
 from compactrl.engine.linear import Linears
@@ -321,6 +322,7 @@ def run_engine_bench(
         "threads": threads,
         "matmul": lin.kind,
         "attention": DecodeAttention.of(ours).kind,
+        "chunk_attention": ChunkAttention.of(ours).kind,
         "decode_layers": unsupported(ours, lin, DecodeAttention.of(ours)) or "one call per decode step",
         "transformers": transformers.__version__,
         "settings": rows,
