@@ -11,7 +11,8 @@ with the pooled or contrasted table its bench config asks for), ``throughput`` (
 under one pool), ``engine`` (`compactrl bench engine` against transformers and vLLM),
 ``engine_floor`` (its decode steps against the step's GEMMs alone), ``profile``
 (`scripts/profile_engine.py`), ``decode_ab`` (`scripts/decode_ab.py` runs, one per setting),
-``attention`` (`scripts/attention_ab.py`), ``gemv``, ``sampling`` and ``kernel_steps``
+``attention`` (`scripts/attention_ab.py`), ``chunk_attention`` (`scripts/chunk_attention_ab.py`),
+``gemv``, ``sampling`` and ``kernel_steps``
 (`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/panel_gemm_ab.py` and
 `scripts/decode_layers_ab.py`), ``panel_gemm`` and ``panel_prefill`` (`scripts/panel_gemm_ab.py`),
 ``vllm_gemm`` (`scripts/vllm_gemm_check.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
@@ -92,6 +93,24 @@ def _attention(result: str) -> str:
     heads = ["SDPA ms", "kernel ms", *(f"{k} ms" for k in before), "kernel speed-up"]
     heads += [f"{k} speed-up" for k in before] + ["kernel reads K/V at GB/s"]
     return markdown_table(["dtype", "batch", "context", *heads], rows)
+
+
+def _chunk_attention(result: str, part: str = "alone") -> str:
+    """`scripts/chunk_attention_ab.py`: prompt chunks' attention over 30 layers, the kernel against
+    SDPA (``part=alone``), or whole prefills with and without it (``part=prefills``)."""
+    from compactrl.bench.harness import markdown_table
+
+    r = json.loads(Path(result).read_text())
+    if part == "prefills":
+        rows = [[r["dtype"], s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in ("sdpa", "kernel")),
+                 f"{s['speed_up']:.2f}"] for s in r["prefills"]]  # fmt: skip
+        heads = ["dtype", "sessions", "prompt tokens", "prefill with SDPA ms", "with the kernel ms"]
+        return markdown_table([*heads, "speed-up"], rows)
+    rows = [[r["dtype"], s["sessions"], s["first"], f"{s['holes']:.0%}", s["tokens"],
+             *(f"{s['ms'][k]:.1f}" for k in ("sdpa", "kernel")), f"{s['speed_up']:.2f}",
+             f"{s['kernel_gflop_per_s']:.0f}"] for s in r["settings"]]  # fmt: skip
+    heads = ["dtype", "sessions", "entries before", "of them evicted", "chunk tokens", "SDPA ms", "kernel ms"]
+    return markdown_table([*heads, "kernel speed-up", "kernel GFLOP/s"], rows)
 
 
 def _gemv(result: str) -> str:
@@ -194,6 +213,7 @@ RENDERERS = {
     "profile": _profile,
     "decode_ab": _decode_ab,
     "attention": _attention,
+    "chunk_attention": _chunk_attention,
     "gemv": _gemv,
     "sampling": _sampling,
     "kernel_steps": _kernel_steps,
