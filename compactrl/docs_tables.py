@@ -159,16 +159,19 @@ def _panel_gemm(result: str) -> str:
     return markdown_table(heads, rows)
 
 
-def _panel_prefill(result: str) -> str:
-    """`scripts/panel_gemm_ab.py --model`: whole prefills with oneDNN and with panel_gemm.c."""
+def _panel_prefill(result: str, part: str = "kernel") -> str:
+    """`scripts/panel_gemm_ab.py --model`: whole prefills with oneDNN and with panel_gemm.c, or
+    (``part=swiglu``) with the SwiGLU epilogue and without."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
-    rows = [[s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in ("onednn", "panel_gemm")),
-             f"{s['speed_up']:.2f}"] for s in r["prefills"]]  # fmt: skip
     kernel = "panel_gemm_bf16.c" if r.get("dtype") == "bfloat16" else "panel_gemm.c"
-    heads = ["sessions", "prompt tokens", "prefill with oneDNN ms", f"with {kernel} ms", "speed-up"]
-    return markdown_table(heads, rows)
+    swiglu = part == "swiglu"
+    arms = ("apart", "swiglu") if swiglu else ("onednn", "panel_gemm")
+    rows = [[s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in arms), f"{s['speed_up']:.2f}"]
+            for s in r["swiglu_prefills" if swiglu else "prefills"]]  # fmt: skip
+    heads = ["gate, up apart ms", "SwiGLU in the GEMM ms"] if swiglu else ["oneDNN ms", f"{kernel} ms"]
+    return markdown_table(["sessions", "prompt tokens", *heads, "speed-up"], rows)
 
 
 def _vllm_gemm(result: str) -> str:

@@ -23,7 +23,9 @@ With ``--model``, whole steps in one engine with the kernel in use and without i
 before), taking turns: decode steps of ``--batch`` sessions of ``--context`` prompt tokens
 (blocks of 4 steps; the torch path, ``decode_layers.c`` off, which would call the kernel either
 way), and prefills of ``SESSIONSxTOKENS`` fresh prompts (``--prefill``, one timed ``run`` each);
-median milliseconds. In bfloat16 the kernel arm also runs one row (batch 1) by ``gemv.c``.
+median milliseconds. In bfloat16 the kernel arm also runs one row (batch 1) by ``gemv.c``. The
+same prefills again with the kernel's SwiGLU epilogue (gate and up in, SiLU(gate) * up out)
+against gate and up written out and activated by torch (``swiglu_prefills``).
 """
 
 import argparse
@@ -127,11 +129,23 @@ def steps(model: str, batch: int, context: int, rounds: int, dtype: torch.dtype)
     return {"batch": batch, "context": context, **ab}
 
 
-def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: torch.dtype) -> dict:
-    """Median ms to prefill ``sessions`` fresh prompts of ``tokens`` in one engine, each arm in turn."""
+def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: torch.dtype, swiglu: bool) -> dict:
+    """Median ms to prefill ``sessions`` fresh prompts of ``tokens`` in one engine, each arm in turn:
+    the panel kernel against oneDNN, or (``swiglu``) its SiLU(gate) * up epilogue against gate and
+    up written out and activated apart."""
     lm = load_model(model, dtype=dtype)
     eng = Engine(lm, None, EngineConfig(kv_pool_tokens=sessions * (tokens + 8), max_step_tokens=2048))
-    return toggled_prefills(eng, toggle(eng), "panel_gemm", "onednn", sessions, tokens, rounds)
+    if not swiglu:
+        return toggled_prefills(eng, toggle(eng), "panel_gemm", "onednn", sessions, tokens, rounds)
+    lin = eng.linears
+
+    def fused(on: bool) -> None:
+        if on:
+            lin.__dict__.pop("fuses_swiglu", None)
+        else:
+            lin.fuses_swiglu = lambda *a: False
+
+    return toggled_prefills(eng, fused, "swiglu", "apart", sessions, tokens, rounds)
 
 
 def main() -> None:
@@ -155,13 +169,15 @@ def main() -> None:
     for s in whole:
         print(f"steps, batch {s['batch']:3d}: ms {s['ms_per_step']} speed-up {s['speed_up']:.2f}")
     shapes = [tuple(map(int, x.split("x"))) for x in a.prefill] if a.model else []
-    fills = [prefills(a.model, n, t, a.rounds, dtype) for n, t in shapes]
-    for s in fills:
+    fills = [prefills(a.model, n, t, a.rounds, dtype, False) for n, t in shapes]
+    swiglu = [prefills(a.model, n, t, a.rounds, dtype, True) for n, t in shapes]
+    for s in fills + swiglu:
         print(f"prefill {s['sessions']}x{s['tokens']}: ms {s['ms']} speed-up {s['speed_up']:.2f}")
     result = {"machine": machine_info(a.threads), "dtype": a.dtype, "rounds": a.rounds,
               "read_gb_per_s": read_bandwidth() / 1e9, "fma_peak_gflop_per_s": fma_peak(),
               "dot_peak_gflop_per_s": fma_peak("dot"),
-              "settings": settings, "model": a.model, "steps": whole, "prefills": fills}  # fmt: skip
+              "settings": settings, "model": a.model, "steps": whole, "prefills": fills,
+              "swiglu_prefills": swiglu}  # fmt: skip
     read, peak = result["read_gb_per_s"], result["fma_peak_gflop_per_s"]
     print(f"summing pass reads {read:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s")
     if a.out:

@@ -153,3 +153,42 @@ def test_a_bfloat16_models_products_and_float32_head_go_through_the_kernels():
             assert logits.dtype == torch.float32
             torch.testing.assert_close(logits, _logits(model, h), rtol=1e-5, atol=1e-5)  # the trainer's head
             assert calls == ([] if rows == 1 else [rows] * 3)  # gate+up, down, head
+
+
+def swiglu_weights(F: int, K: int, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, K, generator=g) / K**0.5).to(dtype) for n in (F, F)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 133])
+@pytest.mark.parametrize("F", [32, 1536])  # two panels or more, SmolLM2's intermediate size
+def test_swiglu_epilogue_is_silu_of_gate_times_up(rows, F):
+    gate, up = swiglu_weights(F, 576, torch.float32)
+    x = torch.randn(rows, 576)
+    lin = Linears(lm(), "auto")
+    stacked = torch.cat([gate, up])
+    out = lin.on_panels(x, panels(stacked, lin.panel_width, swiglu=True), 2 * F, None, swiglu=True)
+    g, u = x.double() @ gate.double().T, x.double() @ up.double().T
+    assert out.shape == (rows, F) and (out.double() - torch.nn.functional.silu(g) * u).abs().max() < 1e-5
+    # negative control: gate and up stacked but not interleaved by half panels
+    wrong = lin.on_panels(x, panels(stacked, lin.panel_width), 2 * F, None, swiglu=True)
+    assert (wrong.double() - torch.nn.functional.silu(g) * u).abs().max() > 0.1
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [2, 9, 133])
+def test_bfloat16_swiglu_epilogue_rounds_where_torch_rounds(rows):
+    """SiLU(gate) * up from the kernel against the torch path on the kernel's own rounded gate and
+    up: equal but where SiLU's float32 value sits within an ulp of a bfloat16 rounding boundary
+    (its exp differs from torch's in the last float32 bits)."""
+    gate, up = swiglu_weights(1536, 576, torch.bfloat16)
+    x = torch.randn(rows, 576).bfloat16()
+    lin = Linears(lm(dtype=torch.bfloat16), "auto")
+    width = lin.panel_width_bf16
+    out = lin.on_panels(x, panels(torch.cat([gate, up]), width, True), 3072, None, torch.bfloat16, True)
+    g, u = (lin.on_panels(x, panels(w, width), 1536, None, torch.bfloat16) for w in (gate, up))
+    want = torch.nn.functional.silu(g) * u
+    assert out.dtype == torch.bfloat16 and out.shape == want.shape
+    assert (out != want).float().mean() < 1e-3
+    assert ((out.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()  # one bfloat16 ulp

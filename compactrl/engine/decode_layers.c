@@ -20,7 +20,7 @@
  *
  * x [B, d] is updated in place. table holds SLOTS pointers per layer (see the enum); for B == 1
  * the weights are the modules' row-major ones (gate and up apart), for B >= 2 the panel kernel's
- * panels (gate and up stacked). work is laid out at the top of decode_layers(), Q = (H + 2*Hkv) * D;
+ * panels (gate and up interleaved by half panels: the kernel's SiLU(gate) * up epilogue). work is laid out at the top of decode_layers(), Q = (H + 2*Hkv) * D;
  * valid [rows, vcap] and scratch as decode_attention.c takes them.
  * Returns the attention kernel's error code (0: fine).
  */
@@ -31,8 +31,8 @@
 enum { IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, UP, DOWN, K_CACHE, V_CACHE, SLOTS };
 
 typedef void (*gemv_fn)(const float *, const void *, float *, int64_t, int64_t, int, int);
-typedef void (*gemm_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int);
-typedef void (*gemm16_fn)(const uint16_t *, const uint16_t *, void *, int64_t, int64_t, int64_t, int, int);
+typedef void (*gemm_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int, int);
+typedef void (*gemm16_fn)(const uint16_t *, const uint16_t *, void *, int64_t, int64_t, int64_t, int, int, int);
 typedef int (*attention_fn)(const void *, int64_t, const void *, const void *, const uint8_t *, int64_t,
                             const int64_t *, const int64_t *, void *, int, int, int, int, int64_t, float,
                             int, float *, int64_t, int);
@@ -73,9 +73,9 @@ static void linear(const float *x, const void *w, float *y, int64_t B, int64_t n
         gemv(x, w, y, n, k, bf16, threads);
     } else if (bf16) {
         for (int64_t i = 0; i < B * k; i++) x16[i] = to16(x[i]);
-        ((gemm16_fn)gemm)(x16, w, y, B, n, k, 0, threads);
+        ((gemm16_fn)gemm)(x16, w, y, B, n, k, 0, 0, threads);
     } else {
-        ((gemm_fn)gemm)(x, w, y, B, n, k, threads);
+        ((gemm_fn)gemm)(x, w, y, B, n, k, 0, threads);
     }
 }
 
@@ -95,12 +95,12 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
                   int64_t cap, float *work, float *scratch, int threads, gemv_fn gemv, void *gemm,
                   attention_fn attend, int bf16) {
     /* work: floats h, proj [B, d], qkv [B, Q], att [B, H*D], gu [B, 2F]; in bfloat16 also the
-     * residual stream xf [B, d] and 16-bit q16 [B, Q], a16 [B, max(H*D, F, d)] after them */
+     * residual stream xf [B, d] and 16-bit q16 [B, max(Q, d)], a16 [B, max(H*D, F, d)] after them */
     int64_t Q = (H + 2 * Hkv) * D, es = bf16 ? 2 : 4;
     float *h = work, *proj = h + B * d, *qkv = proj + B * d, *att = qkv + B * Q, *gu = att + B * H * D;
     float *act = gu; /* silu(g) * u written over gu, row by row behind the reads */
     float *xf = bf16 ? gu + 2 * B * F : (float *)x;
-    uint16_t *q16 = (uint16_t *)(xf + B * d), *a16 = q16 + B * Q;
+    uint16_t *q16 = (uint16_t *)(xf + B * d), *a16 = q16 + B * (Q > d ? Q : d);
     if (bf16)
         for (int64_t i = 0; i < B * d; i++) xf[i] = from16(((const uint16_t *)x)[i]);
     for (int64_t l = 0; l < L; l++) {
@@ -130,7 +130,7 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
                          1.f / sqrtf((float)D), bf16, scratch, longest, threads);
         if (err) return err;
         if (bf16 && B > 1) { /* the attention's bfloat16 output is the product's input as it is */
-            ((gemm16_fn)gemm)(a16, t[O], proj, B, d, H * D, 0, threads);
+            ((gemm16_fn)gemm)(a16, t[O], proj, B, d, H * D, 0, 0, threads);
         } else {
             if (bf16)
                 for (int64_t i = 0; i < H * D; i++) att[i] = from16(a16[i]);
@@ -141,14 +141,19 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
         if (B == 1) { /* gate and up apart, as the modules hold them */
             gemv(h, t[GATE_UP], gu, F, d, bf16, threads);
             gemv(h, t[UP], gu + F, F, d, bf16, threads);
-        } else
-            linear(h, t[GATE_UP], gu, B, 2 * F, d, gemv, gemm, bf16, a16, threads);
-        for (int64_t b = 0; b < B; b++)
             for (int64_t i = 0; i < F; i++) {
-                float g = R(gu[b * 2 * F + i]), u = R(gu[b * 2 * F + F + i]);
-                act[b * F + i] = bf16 ? R(R(g / (1.f + expf(-g))) * u) : g / (1.f + expf(-g)) * u;
+                float g = R(gu[i]), u = R(gu[F + i]);
+                act[i] = bf16 ? R(R(g / (1.f + expf(-g))) * u) : g / (1.f + expf(-g)) * u;
             }
-        linear(act, t[DOWN], proj, B, d, F, gemv, gemm, bf16, a16, threads);
+            linear(act, t[DOWN], proj, B, d, F, gemv, gemm, bf16, a16, threads);
+        } else if (bf16) { /* gate and up panels: SiLU(gate) * up from the kernel, bfloat16 in and out */
+            for (int64_t i = 0; i < B * d; i++) q16[i] = to16(h[i]);
+            ((gemm16_fn)gemm)(q16, t[GATE_UP], a16, B, 2 * F, d, 1, 1, threads);
+            ((gemm16_fn)gemm)(a16, t[DOWN], proj, B, d, F, 0, 0, threads);
+        } else {
+            ((gemm_fn)gemm)(h, t[GATE_UP], act, B, 2 * F, d, 1, threads);
+            linear(act, t[DOWN], proj, B, d, F, gemv, gemm, bf16, a16, threads);
+        }
         for (int64_t i = 0; i < B * d; i++) xf[i] = R(xf[i] + R(proj[i]));
     }
     if (bf16)

@@ -51,6 +51,8 @@ def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -
         return "it needs the decode attention, gemv and panel GEMM kernels (they did not build here)"
     if not all(linears._width(p.dtype, n) for n in (c.hidden_size, c.intermediate_size)):
         return "the panel GEMM takes even layer widths in bfloat16"
+    if c.intermediate_size % (linears._width(p.dtype, c.hidden_size) // 2):
+        return "it runs SwiGLU in the panel GEMM, whose panels the intermediate size must fill"
     if c.qk_norm or c.head_dim % 2:
         return "q/k-norm models and odd head sizes run the torch path"
     for layer in model.model.layers:
@@ -119,7 +121,7 @@ class DecodeLayers:
                 panels = [
                     self.linears._stack(g, dtype)[0] for g in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,))
                 ]
-                panels += [self.linears._stack((m.gate_proj, m.up_proj), dtype)[0], None]
+                panels += [self.linears._stack((m.gate_proj, m.up_proj), dtype, swiglu=True)[0], None]
                 w = [*panels, self.linears._stack((m.down_proj,), dtype)[0]]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             out.append([*norms, w[0], qkv_b, w[1], w[2], w[3], w[4]])
@@ -149,7 +151,7 @@ class DecodeLayers:
         d, F, Q, bf16 = c.hidden_size, c.intermediate_size, (H + 2 * Hkv) * D, x.dtype == torch.bfloat16
         work = B * (2 * d + Q + H * D + 2 * F)  # decode_layers.c's work, in floats
         if bf16:  # the float32 residual stream and the 16-bit inputs of the kernels
-            work += B * d + (B * (Q + max(H * D, F, d)) + 1) // 2
+            work += B * d + (B * (max(Q, d) + max(H * D, F, d)) + 1) // 2
         if self.work.numel() < work:
             self.work = torch.empty(work)
         if self.scratch.numel() < threads * (H // Hkv) * longest:  # grows to the longest row seen, then stays

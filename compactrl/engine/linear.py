@@ -65,7 +65,7 @@ def load_gemv() -> ctypes.CDLL | str:
 def load_panel_gemm() -> ctypes.CDLL | str:
     """The float32 GEMM on packed panels (``panel_gemm.c``), or the reason there is none."""
     P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    signatures = {"panel_gemm": ([P, P, P, I64, I64, I64, I], None), "panel_width": ([], I)}
+    signatures = {"panel_gemm": ([P, P, P, I64, I64, I64, I, I], None), "panel_width": ([], I)}
     return compile_c(Path(__file__).with_name("panel_gemm.c"), signatures)
 
 
@@ -74,14 +74,18 @@ def load_panel_gemm_bf16() -> ctypes.CDLL | str:
     """The bfloat16 GEMM on packed panels (``panel_gemm_bf16.c``, AVX512-BF16), or the reason there
     is none (a CPU without bfloat16 dot products among them)."""
     P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    signatures = {"panel_gemm_bf16": ([P, P, P, I64, I64, I64, I, I], None), "panel_width_bf16": ([], I)}
+    signatures = {"panel_gemm_bf16": ([P, P, P, I64, I64, I64, I, I, I], None), "panel_width_bf16": ([], I)}
     return compile_c(Path(__file__).with_name("panel_gemm_bf16.c"), signatures)
 
 
-def panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+def panels(weight: torch.Tensor, width: int, swiglu: bool = False) -> torch.Tensor:
     """``weight [N, K]`` as ``panel_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded;
-    bfloat16 as ``panel_gemm_bf16.c`` reads it, by pairs of k: ``[ceil(N / width), K / 2, width, 2]``."""
+    bfloat16 as ``panel_gemm_bf16.c`` reads it, by pairs of k: ``[ceil(N / width), K / 2, width, 2]``.
+    ``swiglu``: ``weight`` is gate and up stacked, each panel gets half a panel of each (the same
+    features), for the kernels' SiLU(gate) * up epilogue."""
     n, k = weight.shape
+    if swiglu:
+        weight = weight.view(2, n // width, width // 2, k).transpose(0, 1).reshape(n, k)
     w = F.pad(weight, (0, 0, 0, -n % width))
     if weight.dtype == torch.bfloat16:
         return w.view(-1, width, k // 2, 2).transpose(1, 2).contiguous()
@@ -216,22 +220,31 @@ class Linears:
             return self.panel_width_bf16
         return 0
 
+    def fuses_swiglu(self, mlp: nn.Module, dtype: torch.dtype) -> bool:
+        """Whether ``mlp``'s gate and up run as one panel GEMM on ``dtype`` inputs with SiLU(gate) * up
+        computed in its epilogue: a panel kernel for ``dtype``, plain layers without bias, an
+        intermediate size that fills whole panels."""
+        gate, up = mlp.gate_proj, mlp.up_proj
+        width = self._width(dtype, gate.in_features)
+        plain = type(gate) is type(up) is nn.Linear and gate.bias is None and up.bias is None
+        return bool(width) and plain and gate.out_features % (width // 2) == 0
+
     @torch.no_grad()
-    def _stack(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype):
+    def _stack(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype, swiglu: bool = False):
         """``layers``' weights stacked and packed in ``dtype`` for the GEMM that runs them (a C
         kernel's panels where one runs ``dtype``, oneDNN's reordered copy otherwise) and their bias;
         redone when a weight changed since (an in-place update bumps its version; a replaced one
-        has a new address)."""
+        has a new address). ``swiglu``: gate and up panels for the fused epilogue (see :func:`panels`)."""
         ws = [m.weight for m in layers]
         stamp = tuple((w.data_ptr(), w._version) for w in ws)
         width = self._width(dtype, ws[0].shape[1])
-        key = (*(id(m) for m in layers), dtype, width)
+        key = (*(id(m) for m in layers), dtype, width, swiglu)
         hit = self._packs.get(key)
         if hit is None or hit[0] != stamp:
             with torch.inference_mode(False):  # kept across steps, in and out of inference mode
                 w = torch.cat([w.detach().to(dtype) for w in ws])
                 b = None if layers[0].bias is None else torch.cat([m.bias.detach().to(dtype) for m in layers])
-                w = panels(w, width) if width else torch.ops.mkldnn._reorder_linear_weight(w)
+                w = panels(w, width, swiglu) if width else torch.ops.mkldnn._reorder_linear_weight(w)
                 hit = self._packs[key] = (stamp, w, b)
         return hit[1:]
 
@@ -244,7 +257,8 @@ class Linears:
             qkv = (a.q_proj, a.k_proj, a.v_proj)
             for group in (qkv, (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
                 if self.stacks(*group):
-                    self._stack(group, group[0].weight.dtype)
+                    dtype = group[0].weight.dtype
+                    self._stack(group, dtype, swiglu=m.gate_proj in group and self.fuses_swiglu(m, dtype))
         head = model.lm_head
         if self.stacks(head):
             self._stack((head,), self._operands(head.weight.dtype, head.in_features, torch.float32))
@@ -286,20 +300,23 @@ class Linears:
         n_out: int,
         bias: torch.Tensor | None,
         dtype: torch.dtype = torch.float32,
+        swiglu: bool = False,
     ) -> torch.Tensor:
         """``x [M, in] @ weight.T + bias`` by ``panel_gemm.c`` (float32 ``x``) or ``panel_gemm_bf16.c``
         (bfloat16 ``x``) on the weight's ``panels``: float32 sums, the output in ``dtype``. A bias is
-        added to the float32 sums before rounding, as a native bfloat16 GEMM adds it."""
-        x = x.contiguous()
+        added to the float32 sums before rounding, as a native bfloat16 GEMM adds it. ``swiglu``
+        (no bias; ``dtype`` ``x``'s): gate and up panels in, SiLU(gate) * up ``[M, n_out / 2]`` out."""
+        x, cols = x.contiguous(), n_out // 2 if swiglu else n_out
         if x.dtype == torch.float32:
-            out = x.new_empty(x.shape[0], n_out)
-            args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1]
+            out = x.new_empty(x.shape[0], cols)
+            args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1], int(swiglu)
             traced("compactrl::panel_gemm", self.panel_gemm, *args, torch.get_num_threads())
             return out if bias is None else out.add_(bias)
         rounded = dtype == torch.bfloat16 and bias is None  # else float32 sums, rounded after the bias
-        out = x.new_empty(x.shape[0], n_out, dtype=torch.bfloat16 if rounded else torch.float32)
-        args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1], int(rounded)
-        traced("compactrl::panel_gemm_bf16", self.panel_gemm_bf16, *args, torch.get_num_threads())
+        out = x.new_empty(x.shape[0], cols, dtype=torch.bfloat16 if rounded else torch.float32)
+        args = x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], n_out, x.shape[1]
+        args += int(rounded), int(swiglu), torch.get_num_threads()
+        traced("compactrl::panel_gemm_bf16", self.panel_gemm_bf16, *args)
         return out if bias is None else out.add_(bias).to(dtype)
 
     # ---- layers -------------------------------------------------------------------------------
@@ -324,6 +341,11 @@ class Linears:
         """SwiGLU, each projection through :meth:`linear` (under ``onednn``, gate and up as one GEMM)."""
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         if self.stacks(gate, up, x=x):
+            if self.fuses_swiglu(mlp, self._operands(x.dtype, x.shape[-1], x.dtype)):
+                w, _ = self._stack((gate, up), x.dtype, swiglu=True)
+                rows = x.reshape(-1, x.shape[-1])
+                act = self.on_panels(rows, w, 2 * gate.out_features, None, x.dtype, swiglu=True)
+                return self.linear(down, act.view(*x.shape[:-1], -1))
             g, u = self.stacked(x, gate, up).chunk(2, dim=-1)
             return self.linear(down, F.silu(g) * u)
         if not (self._wants(down, x) or self._one_row(x, gate, up, down)):

@@ -14,7 +14,13 @@
  * exact product than torch's GEMM, enough to move a 30-layer model's log-probs past 5e-5), so a
  * row's result does not depend on the thread count or on the other rows of the batch. x and y
  * contiguous; panels shared out with OpenMP when threads > 1.
+ *
+ * swiglu != 0: an MLP's gate and up projections packed as one weight whose panels hold LANES gate
+ * features and the same LANES up features (Python interleaves them), and y [M, N / 2] their
+ * SiLU(gate) * up, computed from the tile's sums before they leave the registers' reach: the
+ * [M, N] product is never written, nor read again by a separate activation pass.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,6 +37,28 @@
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 
+/* SiLU(g) = g * sigmoid(g), sigmoid from e = e^-|g| <= 1 (1 / (1 + e), or e / (1 + e) for g < 0):
+ * e^x for x <= 0 as 2^n e^r, n = round(x / ln 2), e^r by its Taylor series to r^7 (2 float32 ulps;
+ * the compiler vectorises this, where libm's expf is a call per value). */
+static inline float silu(float g) {
+    float x = g < 0.f ? g : -g;
+    x = x > -87.f ? x : -87.f;
+    const float n = floorf(x * 1.44269504f + 0.5f), r = x - n * 0.693147181f;
+    float p = 1.f / 5040;
+    p = p * r + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n, e;
+    memcpy(&two_n, &bits, 4);
+    e = p * two_n;
+    return g * (g < 0.f ? e : 1.f) / (1.f + e);
+}
+
 static inline vf load(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
@@ -39,7 +67,7 @@ static inline vf load(const float *p) {
 
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t N,
                                                        int64_t K, int64_t n0, const int mr, const float *next,
-                                                       int64_t t, int64_t T) {
+                                                       int64_t t, int64_t T, int swiglu) {
     vf a[MR], b[MR];
     float sums[MR][NR] = {{0}}; /* the blocks' sums: each output is a sum of KB-term sums */
     int64_t c = t; /* c == 0 exactly when k % T == t, without a division per k */
@@ -65,29 +93,36 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
             memcpy(sums[m] + LANES, &sb, sizeof sb);
         }
     }
+    if (swiglu) { /* lanes [0, LANES) gate, [LANES, NR) up: LANES outputs of a row of N / 2 */
+        for (int m = 0; m < mr; m++)
+            for (int l = 0; l < LANES; l++) y[m * (N / 2) + n0 / 2 + l] = silu(sums[m][l]) * sums[m][LANES + l];
+        return;
+    }
     int64_t n = N - n0 < NR ? N - n0 : NR; /* the last panel may be partly padding */
     for (int m = 0; m < mr; m++) memcpy(y + m * N + n0, sums[m], n * 4);
 }
 
-void panel_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+void panel_gemm(const float *x, const float *wp, float *y, int64_t M, int64_t N, int64_t K, int swiglu,
+                int threads) {
     int64_t P = (N + NR - 1) / NR, T = (M + MR - 1) / MR;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         const float *w = wp + p * K * NR, *next = p + 1 < P ? w + K * NR : 0;
         for (int64_t r = 0; r < M; r += MR) {
             const float *xr = x + r * K;
-            float *yr = y + r * N;
+            float *yr = y + r * (swiglu ? N / 2 : N);
             switch (M - r < MR ? M - r : MR) { /* constant row counts: the row loop unrolls */
-            case 6: tile(xr, w, yr, N, K, p * NR, 6, next, r / MR, T); break;
-            case 5: tile(xr, w, yr, N, K, p * NR, 5, next, r / MR, T); break;
-            case 4: tile(xr, w, yr, N, K, p * NR, 4, next, r / MR, T); break;
-            case 3: tile(xr, w, yr, N, K, p * NR, 3, next, r / MR, T); break;
-            case 2: tile(xr, w, yr, N, K, p * NR, 2, next, r / MR, T); break;
-            default: tile(xr, w, yr, N, K, p * NR, 1, next, r / MR, T);
+            case 6: tile(xr, w, yr, N, K, p * NR, 6, next, r / MR, T, swiglu); break;
+            case 5: tile(xr, w, yr, N, K, p * NR, 5, next, r / MR, T, swiglu); break;
+            case 4: tile(xr, w, yr, N, K, p * NR, 4, next, r / MR, T, swiglu); break;
+            case 3: tile(xr, w, yr, N, K, p * NR, 3, next, r / MR, T, swiglu); break;
+            case 2: tile(xr, w, yr, N, K, p * NR, 2, next, r / MR, T, swiglu); break;
+            default: tile(xr, w, yr, N, K, p * NR, 1, next, r / MR, T, swiglu);
             }
         }
     }
 }
 
-/* Output features per panel on this CPU: the packing in Python must use the same. */
+/* Output features per panel on this CPU (swiglu: LANES gate, then LANES up): the packing in
+ * Python must use the same. */
 int panel_width(void) { return NR; }

@@ -10,8 +10,13 @@
  * prefetching the next panel, so few rows (decode) read the weights at the memory's speed, and
  * many rows (prefill) read each panel once for all of them. A row's result does not depend on
  * the other rows or the thread count. K even; x and y contiguous.
+ *
+ * swiglu != 0: gate and up packed as one weight whose panels hold 16 gate features and the same 16
+ * up features, and y [M, N / 2] bfloat16 SiLU(gate) * up, rounded where the torch path rounds
+ * (gate and up, SiLU, the product), computed from the tile's sums (panel_gemm.c says why).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -29,10 +34,37 @@ static inline uint16_t to_bf16(float f) { /* torch's rounding: nearest even, NaN
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* SiLU(g) as panel_gemm.c computes it: sigmoid from e = e^-|g| <= 1 (2 float32 ulps). */
+static inline float silu(float g) {
+    float x = g < 0.f ? g : -g;
+    x = x > -87.f ? x : -87.f;
+    const float n = floorf(x * 1.44269504f + 0.5f), r = x - n * 0.693147181f;
+    float p = 1.f / 5040;
+    p = p * r + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n, e;
+    memcpy(&two_n, &bits, 4);
+    e = p * two_n;
+    return g * (g < 0.f ? e : 1.f) / (1.f + e);
+}
+
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *w, void *y,
                                                        int64_t N, int64_t K, int64_t n0, const int mr,
                                                        int out_bf16, const uint16_t *next, int64_t t,
-                                                       int64_t T) {
+                                                       int64_t T, int swiglu) {
     __m512 a[MR], b[MR];
     for (int m = 0; m < MR; m++) a[m] = b[m] = _mm512_setzero_ps();
     int64_t c = t;
@@ -57,7 +89,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
         float s[NR];
         _mm512_storeu_ps(s, a[m]);
         _mm512_storeu_ps(s + 16, b[m]);
-        if (out_bf16) {
+        if (swiglu) { /* lanes [0, 16) gate, [16, 32) up: 16 outputs of a row of N / 2 */
+            uint16_t *ym = (uint16_t *)y + m * (N / 2) + n0 / 2;
+            for (int j = 0; j < 16; j++)
+                ym[j] = to_bf16(from_bf16(to_bf16(silu(from_bf16(to_bf16(s[j]))))) * from_bf16(to_bf16(s[16 + j])));
+        } else if (out_bf16) {
             uint16_t *ym = (uint16_t *)y + m * N + n0;
             for (int64_t j = 0; j < n; j++) ym[j] = to_bf16(s[j]);
         } else {
@@ -67,23 +103,24 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
 }
 
 void panel_gemm_bf16(const uint16_t *x, const uint16_t *wp, void *y, int64_t M, int64_t N, int64_t K,
-                     int out_bf16, int threads) {
+                     int out_bf16, int swiglu, int threads) {
     int64_t P = (N + NR - 1) / NR, T = (M + MR - 1) / MR;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         const uint16_t *w = wp + p * K * NR, *next = p + 1 < P ? w + K * NR : 0;
         for (int64_t r = 0; r < M; r += MR) {
             const uint16_t *xr = x + r * K;
-            void *yr = out_bf16 ? (void *)((uint16_t *)y + r * N) : (void *)((float *)y + r * N);
+            const int64_t n = swiglu ? N / 2 : N; /* swiglu: bfloat16 out */
+            void *yr = out_bf16 || swiglu ? (void *)((uint16_t *)y + r * n) : (void *)((float *)y + r * n);
             switch (M - r < MR ? M - r : MR) { /* constant row counts: the row loop unrolls */
-            case 8: tile(xr, w, yr, N, K, p * NR, 8, out_bf16, next, r / MR, T); break;
-            case 7: tile(xr, w, yr, N, K, p * NR, 7, out_bf16, next, r / MR, T); break;
-            case 6: tile(xr, w, yr, N, K, p * NR, 6, out_bf16, next, r / MR, T); break;
-            case 5: tile(xr, w, yr, N, K, p * NR, 5, out_bf16, next, r / MR, T); break;
-            case 4: tile(xr, w, yr, N, K, p * NR, 4, out_bf16, next, r / MR, T); break;
-            case 3: tile(xr, w, yr, N, K, p * NR, 3, out_bf16, next, r / MR, T); break;
-            case 2: tile(xr, w, yr, N, K, p * NR, 2, out_bf16, next, r / MR, T); break;
-            default: tile(xr, w, yr, N, K, p * NR, 1, out_bf16, next, r / MR, T);
+            case 8: tile(xr, w, yr, N, K, p * NR, 8, out_bf16, next, r / MR, T, swiglu); break;
+            case 7: tile(xr, w, yr, N, K, p * NR, 7, out_bf16, next, r / MR, T, swiglu); break;
+            case 6: tile(xr, w, yr, N, K, p * NR, 6, out_bf16, next, r / MR, T, swiglu); break;
+            case 5: tile(xr, w, yr, N, K, p * NR, 5, out_bf16, next, r / MR, T, swiglu); break;
+            case 4: tile(xr, w, yr, N, K, p * NR, 4, out_bf16, next, r / MR, T, swiglu); break;
+            case 3: tile(xr, w, yr, N, K, p * NR, 3, out_bf16, next, r / MR, T, swiglu); break;
+            case 2: tile(xr, w, yr, N, K, p * NR, 2, out_bf16, next, r / MR, T, swiglu); break;
+            default: tile(xr, w, yr, N, K, p * NR, 1, out_bf16, next, r / MR, T, swiglu);
             }
         }
     }
