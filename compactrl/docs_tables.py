@@ -14,7 +14,8 @@ under one pool), ``engine`` (`compactrl bench engine` against transformers and v
 ``attention`` (`scripts/attention_ab.py`), ``chunk_attention`` (`scripts/chunk_attention_ab.py`),
 ``gemv``, ``sampling`` and ``kernel_steps``
 (`scripts/gemv_sampling_ab.py`; ``kernel_steps`` also `scripts/panel_gemm_ab.py` and
-`scripts/decode_layers_ab.py`), ``panel_gemm`` and ``panel_prefill`` (`scripts/panel_gemm_ab.py`),
+`scripts/decode_layers_ab.py`), ``panel_gemm`` (`scripts/panel_gemm_ab.py`), ``prefills`` (whole
+prefills toggled in one engine by those A/B scripts),
 ``vllm_gemm`` (`scripts/vllm_gemm_check.py`), ``trainer_hf``, ``evictors``, ``modes``, ``trainer``, ``scale``,
 ``serve``, ``serve_episodes`` (those benches' own tables), ``study`` and ``study_modes`` (a
 `compactrl study` result; its re-prefill / stream time ratios)."""
@@ -95,17 +96,11 @@ def _attention(result: str) -> str:
     return markdown_table(["dtype", "batch", "context", *heads], rows)
 
 
-def _chunk_attention(result: str, part: str = "alone") -> str:
-    """`scripts/chunk_attention_ab.py`: prompt chunks' attention over 30 layers, the kernel against
-    SDPA (``part=alone``), or whole prefills with and without it (``part=prefills``)."""
+def _chunk_attention(result: str) -> str:
+    """`scripts/chunk_attention_ab.py`: prompt chunks' attention over 30 layers, the kernel against SDPA."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
-    if part == "prefills":
-        rows = [[r["dtype"], s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in ("sdpa", "kernel")),
-                 f"{s['speed_up']:.2f}"] for s in r["prefills"]]  # fmt: skip
-        heads = ["dtype", "sessions", "prompt tokens", "prefill with SDPA ms", "with the kernel ms"]
-        return markdown_table([*heads, "speed-up"], rows)
     rows = [[r["dtype"], s["sessions"], s["first"], f"{s['holes']:.0%}", s["tokens"],
              *(f"{s['ms'][k]:.1f}" for k in ("sdpa", "kernel")), f"{s['speed_up']:.2f}",
              f"{s['kernel_gflop_per_s']:.0f}"] for s in r["settings"]]  # fmt: skip
@@ -159,19 +154,17 @@ def _panel_gemm(result: str) -> str:
     return markdown_table(heads, rows)
 
 
-def _panel_prefill(result: str, part: str = "kernel") -> str:
-    """`scripts/panel_gemm_ab.py --model`: whole prefills with oneDNN and with panel_gemm.c, or
-    (``part=swiglu``) with the SwiGLU epilogue and without."""
+def _prefills(result: str, arms: str, key: str = "prefills") -> str:
+    """Whole prefills toggled inside one engine (`toggled_prefills`: `scripts/panel_gemm_ab.py`,
+    `chunk_attention_ab.py`, `decode_layers_ab.py`), ``arms`` naming the arm without the change
+    and the arm with it, ``key`` the JSON's list."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
-    kernel = "panel_gemm_bf16.c" if r.get("dtype") == "bfloat16" else "panel_gemm.c"
-    swiglu = part == "swiglu"
-    arms = ("apart", "swiglu") if swiglu else ("onednn", "panel_gemm")
-    rows = [[s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in arms), f"{s['speed_up']:.2f}"]
-            for s in r["swiglu_prefills" if swiglu else "prefills"]]  # fmt: skip
-    heads = ["gate, up apart ms", "SwiGLU in the GEMM ms"] if swiglu else ["oneDNN ms", f"{kernel} ms"]
-    return markdown_table(["sessions", "prompt tokens", *heads, "speed-up"], rows)
+    off, on = arms.split(",")
+    rows = [[r.get("dtype", "float32"), s["sessions"], s["tokens"], *(f"{s['ms'][k]:.0f}" for k in (off, on)),
+             f"{s['speed_up']:.2f}"] for s in r[key]]  # fmt: skip
+    return markdown_table(["dtype", "sessions", "prompt tokens", f"{off} ms", f"{on} ms", "speed-up"], rows)
 
 
 def _vllm_gemm(result: str) -> str:
@@ -221,7 +214,7 @@ RENDERERS = {
     "sampling": _sampling,
     "kernel_steps": _kernel_steps,
     "panel_gemm": _panel_gemm,
-    "panel_prefill": _panel_prefill,
+    "prefills": _prefills,
     "vllm_gemm": _vllm_gemm,
     "trainer_hf": _of("bench.trainer_hf"),
     "scale": _of("bench.scale"),

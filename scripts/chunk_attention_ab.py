@@ -11,7 +11,8 @@ equal-length prompts, as the runner makes it), and turns appended to rows with a
 call per session). Each round runs the 30 layers with both in turn (the order alternating); the
 JSON reports each one's median milliseconds, the kernel's speed-up and its GFLOP/s (the causal
 products' multiply-adds, twice). With ``--model``, whole prefills of the ``--prefill`` shapes in
-one engine with the kernel in use and without (SDPA), taking turns.
+one engine with the kernel in use and without (SDPA), taking turns, both on the torch path's
+layers (``decode_layers.c``, which calls the kernel in the engine's default, off).
 """
 
 import argparse
@@ -79,6 +80,7 @@ def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: str) ->
     kernel = eng.chunk_attention
     if kernel.kind != "kernel":
         raise SystemExit("the engine runs without the chunk attention kernel here")
+    eng.decode_layers = None  # the torch path's layers in both arms (decode_layers_ab.py times the one call)
 
     def use(on: bool) -> None:
         eng.chunk_attention = kernel if on else None

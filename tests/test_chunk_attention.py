@@ -114,6 +114,7 @@ def test_engine_prefills_and_appends_after_evictions_the_same_with_kernel_and_sd
     for mode in ("kernel", "sdpa"):
         eng = Engine(model, None, EngineConfig(attention=mode))
         assert eng.chunk_attention.kind == mode
+        eng.decode_layers = None  # the kernel as the torch path calls it (decode_layers.c's: its tests)
         sessions = [eng.session() for _ in range(4)]
         for k, s in enumerate(sessions):
             s.append([(13 * k + i) % 300 for i in range(20 + 9 * k)])

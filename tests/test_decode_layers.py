@@ -1,4 +1,5 @@
-"""Every layer of a decode step in one C call (decode_layers.c) against the torch path it replaces."""
+"""Every layer of an engine step in one C call (decode_layers.c: decode tokens, prompt chunks over
+their own rows) against the torch path it replaces."""
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ def engine(model, one_call: bool = True):
 
 
 def decode(model, sessions: int, one_call: bool, corrupt=None):
-    """Tokens, generated log-probs and the cache after decoding 10 tokens in ``sessions`` sessions, some
-    with holes; ``corrupt`` wraps the one-call path's arguments (a negative control)."""
+    """Tokens, the last turn's log-probs and the cache after two turns of 10 tokens in ``sessions``
+    sessions, some with holes: prompts prefilled, decoded, a turn appended after an eviction (a
+    chunk over a holed row), decoded; ``corrupt`` wraps the one-call path's arguments (a negative
+    control)."""
     eng, layers = engine(model, one_call)
     if one_call and corrupt is not None:
         call = layers.__call__
@@ -39,6 +42,12 @@ def decode(model, sessions: int, one_call: bool, corrupt=None):
         params = SamplingParams(max_tokens=10, temperature=0.8, seed=k, ignore_eos=True, model_logprobs=True)
         s.generate(params)
     eng.run()
+    for k, s in enumerate(ss):
+        s.evict([(9 + 5 * k, 11 + 5 * k)])  # the prompt's last tokens but one
+        s.append([(7 * k + i) % 300 for i in range(3 + 4 * k % 13)])
+        params = SamplingParams(max_tokens=10, temperature=0.8, seed=k, ignore_eos=True, model_logprobs=True)
+        s.generate(params)
+    eng.run()
     out = [(s.tokens, torch.tensor(s.model_logprobs[-10:])) for s in ss]
     return out, [k.clone() for k in eng.kv.k + eng.kv.v], layers.calls
 
@@ -49,7 +58,7 @@ def test_one_call_decodes_what_the_torch_path_decodes(family, sessions):
     model = lm(family)
     fast, fast_cache, calls = decode(model, sessions, one_call=True)
     slow, slow_cache, _ = decode(model, sessions, one_call=False)
-    assert calls >= 9  # every decode step after the first took the one call
+    assert calls >= 22  # every step: both prefills, the decode steps
     for (tf, lf), (ts, ls) in zip(fast, slow):
         assert tf == ts and (lf - ls).abs().max() < 1e-5
     for a, b in zip(fast_cache, slow_cache):  # the K/V it wrote, holes included
@@ -61,13 +70,14 @@ def test_one_call_decodes_what_the_torch_path_decodes(family, sessions):
 def test_one_call_decodes_in_bfloat16_what_the_torch_path_decodes(family, sessions):
     """Rounded where the torch path rounds, with the same GEMM and attention kernels: the same bits
     but for the norms' float32 statistics, summed in another order, which now and then rounds a
-    value to the neighbouring bfloat16 (measured: 1 of 37 sessions' samples diverged, none at 1 or 5)."""
+    value to the neighbouring bfloat16 (measured over two turns: 1 of 37 sessions' samples diverged,
+    none at 1 or 5; the others' log-probs within 1.1e-2)."""
     model = lm(family, torch.bfloat16)
     fast, fast_cache, calls = decode(model, sessions, one_call=True)
     slow, slow_cache, _ = decode(model, sessions, one_call=False)
-    assert calls >= 9
+    assert calls >= 22
     same = [(lf - ls).abs().max() for (tf, lf), (ts, ls) in zip(fast, slow) if tf == ts]
-    assert len(same) >= 0.9 * sessions and max(same) < 1e-2
+    assert len(same) >= 0.9 * sessions and max(same) < 2e-2
     differ = sum((a != b).sum() for a, b in zip(fast_cache, slow_cache))
     assert differ <= 0.01 * sum(a.numel() for a in fast_cache)
 
@@ -78,8 +88,8 @@ def test_a_token_written_to_the_wrong_cache_entry_is_seen(dtype):
     model = lm(dtype=dtype)
     slow, _, _ = decode(model, 3, one_call=False)
 
-    def shifted(x, cos, sin, kv, rows, ents, lens, longest):
-        return x, cos, sin, kv, rows, ents + 1, lens, longest  # written one entry late, never attended
+    def shifted(x, cos, sin, kv, rows, ents, lens, longest, chunks=None):
+        return x, cos, sin, kv, rows, ents + 1, lens, longest, chunks  # written one entry late
 
     bad, _, _ = decode(model, 3, one_call=True, corrupt=shifted)
     assert max((lb - ls).abs().max() for (_, lb), (_, ls) in zip(bad, slow)) > 1e-2
@@ -90,7 +100,7 @@ def test_steps_it_does_not_cover_run_the_torch_path():
     _, layers = engine(model)
     assert layers.applies(1, prefill=False, keep_queries=False)
     assert layers.applies(64, prefill=False, keep_queries=False)
-    assert not layers.applies(4, prefill=True, keep_queries=False)
+    assert layers.applies(4, prefill=True, keep_queries=False) == (layers.chunks is not None)
     assert not layers.applies(4, prefill=False, keep_queries=True)  # a token evictor reads the queries
 
     class Adapter(nn.Module):  # what a LoRA injection puts in a projection's place

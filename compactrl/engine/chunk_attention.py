@@ -71,6 +71,14 @@ class ChunkAttention:
         p, c = next(model.parameters()), model.config
         return cls(mode, p.device, p.dtype, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
 
+    def scratch_for(self, chunks: torch.Tensor, Hkv: int, D: int) -> int:
+        """The address of scratch enough for a call on ``chunks`` (each one's keys packed and values
+        as float32): grown to the largest step seen, then kept."""
+        need = self.lib.scratch_floats(chunks.data_ptr(), chunks.shape[0], Hkv, D)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need)
+        return self.scratch.data_ptr()
+
     def __call__(self, q, K, V, valid, chunks, out) -> None:
         """``q [N, H, D]`` (heads contiguous) of a step's tokens; ``chunks [C, 4]`` int64 rows of
         (offset of the chunk's first token in ``q`` and ``out``, cache row, its first entry, tokens):
@@ -81,14 +89,10 @@ class ChunkAttention:
         assert q.stride(2) == 1 and q.stride(1) == D and K.is_contiguous() and V.is_contiguous()
         assert out.is_contiguous() and valid.is_contiguous() and q.dtype == K.dtype == V.dtype == out.dtype
         assert chunks.is_contiguous() and chunks.dtype == torch.int64
-        bf16 = int(q.dtype == torch.bfloat16)
-        need = self.lib.scratch_floats(chunks.data_ptr(), chunks.shape[0], Hkv, D)
-        if self.scratch.numel() < need:  # K packed, V as float32: grows to the largest step, then stays
-            self.scratch = torch.empty(need)
         args = (
             q.data_ptr(), q.stride(0), K.data_ptr(), V.data_ptr(), valid.data_ptr(), valid.shape[1],
             chunks.data_ptr(), chunks.shape[0], out.data_ptr(), Hkv, H // Hkv, D, K.shape[2], D**-0.5,
-            bf16, self.scratch.data_ptr(), torch.get_num_threads(),
+            int(q.dtype == torch.bfloat16), self.scratch_for(chunks, Hkv, D), torch.get_num_threads(),
         )  # fmt: skip
         err = traced("compactrl::chunk_attention", self.lib.chunk_attention, *args)
         assert err == 0, KERNEL_ERRORS[err]

@@ -1,11 +1,14 @@
-/* Every layer of a float32 or bfloat16 decode step in one call: B sessions, one new token each.
+/* Every layer of a float32 or bfloat16 engine step in one call: B tokens, the first n_dec one
+ * decode token each of as many sessions, the rest prompt chunks over their own rows.
  *
  * Run from Python, a decode layer is ~25 small torch ops (norms, RoPE, cache writes, SwiGLU,
  * residual adds) around its GEMMs and attention, each costing microseconds of dispatch whatever
  * its size: 0.4 to 0.9 ms a layer, a quarter to a third of a step at batch 1 to 8 on SmolLM2
  * (docs/engine_speed.md). Here the same arithmetic runs as plain loops, and the GEMMs and
  * attention are the engine's own kernels, passed in as function pointers (gemv.c for one row,
- * panel_gemm.c for more, decode_attention.c), so each C file stays self-contained. Per layer,
+ * panel_gemm.c for more, decode_attention.c, chunk_attention.c), so each C file stays
+ * self-contained; a prefill step's layers likewise (their Python dispatch is a smaller share, its
+ * elementwise passes over the step's tokens a larger one). Per layer,
  * as the torch path does it:
  *
  *   h = rmsnorm(x) * w_in;  q, k, v = h @ Wqkv^T (+ b);  RoPE (rotate-half) on q and k;
@@ -18,11 +21,14 @@
  * weight, RoPE's two products and their sum, SiLU and its product with up, each residual sum.
  * Sums and the norm's statistics are float32, as there.
  *
+ * Token b's K and V go to cache row rows[b], entry ents[b]. Decode tokens attend through the decode
+ * attention kernel (lens [n_dec], longest, scratch as decode_attention.c takes them), chunks
+ * through chunk_attention.c's (chunks [n_chunks, 4] as it takes them, chunk_scratch its scratch).
  * x [B, d] is updated in place. table holds SLOTS pointers per layer (see the enum); for B == 1
  * the weights are the modules' row-major ones (gate and up apart), for B >= 2 the panel kernel's
- * panels (gate and up interleaved by half panels: the kernel's SiLU(gate) * up epilogue). work is laid out at the top of decode_layers(), Q = (H + 2*Hkv) * D;
- * valid [rows, vcap] and scratch as decode_attention.c takes them.
- * Returns the attention kernel's error code (0: fine).
+ * panels (gate and up interleaved by half panels: the kernel's SiLU(gate) * up epilogue). work is
+ * laid out at the top of decode_layers(), Q = (H + 2*Hkv) * D; valid [rows, vcap] as the
+ * attention kernels take it. Returns an attention kernel's error code (0: fine).
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +42,8 @@ typedef void (*gemm16_fn)(const uint16_t *, const uint16_t *, void *, int64_t, i
 typedef int (*attention_fn)(const void *, int64_t, const void *, const void *, const uint8_t *, int64_t,
                             const int64_t *, const int64_t *, void *, int, int, int, int, int64_t, float,
                             int, float *, int64_t, int);
+typedef int (*chunk_fn)(const void *, int64_t, const void *, const void *, const uint8_t *, int64_t,
+                        const int64_t *, int, void *, int, int, int, int64_t, float, int, float *, int);
 
 static inline float from16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -93,7 +101,8 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
                   float eps, void *const *table, const void *cos, const void *sin, const int64_t *rows,
                   const int64_t *ents, const int64_t *lens, int64_t longest, const uint8_t *valid, int64_t vcap,
                   int64_t cap, float *work, float *scratch, int threads, gemv_fn gemv, void *gemm,
-                  attention_fn attend, int bf16) {
+                  attention_fn attend, int bf16, int64_t n_dec, const int64_t *chunks, int n_chunks,
+                  chunk_fn chunk_attend, float *chunk_scratch) {
     /* work: floats h, proj [B, d], qkv [B, Q], att [B, H*D], gu [B, 2F]; in bfloat16 also the
      * residual stream xf [B, d] and 16-bit q16 [B, max(Q, d)], a16 [B, max(H*D, F, d)] after them */
     int64_t Q = (H + 2 * Hkv) * D, es = bf16 ? 2 : 4;
@@ -125,9 +134,14 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
         }
         if (bf16) /* the kernel reads bfloat16 queries and writes bfloat16 outputs */
             for (int64_t i = 0; i < B * Q; i++) q16[i] = to16(qkv[i]);
-        int err = attend(bf16 ? (void *)q16 : (void *)qkv, Q, t[K_CACHE], t[V_CACHE], valid, vcap, rows, lens,
-                         bf16 ? (void *)a16 : (void *)att, (int)B, (int)Hkv, (int)(H / Hkv), (int)D, cap,
-                         1.f / sqrtf((float)D), bf16, scratch, longest, threads);
+        void *qs = bf16 ? (void *)q16 : (void *)qkv, *as = bf16 ? (void *)a16 : (void *)att;
+        const float scale = 1.f / sqrtf((float)D);
+        int err = n_dec ? attend(qs, Q, t[K_CACHE], t[V_CACHE], valid, vcap, rows, lens, as, (int)n_dec, (int)Hkv,
+                                 (int)(H / Hkv), (int)D, cap, scale, bf16, scratch, longest, threads)
+                        : 0;
+        if (!err && n_chunks)
+            err = chunk_attend(qs, Q, t[K_CACHE], t[V_CACHE], valid, vcap, chunks, n_chunks, as, (int)Hkv,
+                               (int)(H / Hkv), (int)D, cap, scale, bf16, chunk_scratch, threads);
         if (err) return err;
         if (bf16 && B > 1) { /* the attention's bfloat16 output is the product's input as it is */
             ((gemm16_fn)gemm)(a16, t[O], proj, B, d, H * D, 0, 0, threads);

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compactrl.engine.chunk_attention import ChunkAttention
 from compactrl.engine.decode_attention import KERNEL_ERRORS, DecodeAttention
 from compactrl.engine.fused import FusedProjection
 from compactrl.engine.kernels import compile_c, traced
@@ -39,6 +40,7 @@ def load_decode_layers() -> ctypes.CDLL | str:
     """The compiled loop, or the reason there is none (no C compiler, a failed build)."""
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     args = [P, I64, I64, I64, I64, I64, I64, I64, F, P, P, P, P, P, P, I64, P, I64, I64, P, P, I, P, P, P, I]
+    args += [I64, P, I, P, P]  # decode tokens, then the chunks: their table, count, kernel and scratch
     return compile_c(Path(__file__).with_name("decode_layers.c"), {"decode_layers": (args, I)})
 
 
@@ -82,12 +84,14 @@ class DecodeLayers:
         linears: Linears,
         projections: list[FusedProjection],
         attention: DecodeAttention,
+        chunks: ChunkAttention | None = None,
     ):
         self.model, self.linears, self.projections = model, linears, projections
         self.why = unsupported(model, linears, attention)
         self.fn = None if self.why else load_decode_layers().decode_layers
         kernels = () if self.why else (linears.gemv, panel_kernel(linears), attention.lib.decode_attention)
         self.kernels = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in kernels)  # C function pointers
+        self.chunks = chunks if chunks is not None and chunks.kind == "kernel" else None  # prefill too
         attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
         norms = ("input_layernorm", "post_attention_layernorm")
         # where an adapter would go, as (a parent's submodule dict, name): nn.Module's getattr is slow
@@ -99,11 +103,14 @@ class DecodeLayers:
         self.calls = 0  # steps run in one call
         self._modules: list[nn.Module] = []  # the layers' linear and norm modules, as applies() last saw them
 
-    def applies(self, sessions: int, prefill: bool, keep_queries: bool) -> bool:
-        """Whether a step of ``sessions`` decode tokens (and prefill chunks, kept queries) runs here."""
+    def applies(self, tokens: int, prefill: bool, keep_queries: bool) -> bool:
+        """Whether a step of ``tokens`` (with prompt chunks over their own rows, ``prefill``; with
+        queries kept for a token evictor) runs here."""
         # the product kernel this step needs, unless an A/B turned it off since
-        product = self.linears.gemv if sessions == 1 else panel_kernel(self.linears)
-        if self.fn is None or product is None or sessions < 1 or prefill or keep_queries:
+        product = self.linears.gemv if tokens == 1 else panel_kernel(self.linears)
+        if self.fn is None or product is None or tokens < 1 or keep_queries:
+            return False
+        if prefill and self.chunks is None:
             return False
         self._modules = [d[n] for d, n in self.slots]  # as they are now: adapters come and go
         return all(type(m) in (nn.Linear, RMSNorm) for m in self._modules)
@@ -141,10 +148,21 @@ class DecodeLayers:
 
     @torch.no_grad()
     def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, rows, ents, lens, longest
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        rows,
+        ents,
+        lens,
+        longest,
+        chunks: torch.Tensor | None = None,
     ):
-        """Every layer on ``x [B, d]`` (the model's dtype, in place; returned), one token per session at cache
-        ``rows [B]`` entry ``ents [B]``, attending to entries ``[0, lens[b])``; ``cos, sin [B, D]``."""
+        """Every layer on ``x [B, d]`` (the model's dtype, in place; returned), token b written to cache
+        ``rows[b]`` entry ``ents[b]``; ``cos, sin [B, D]``. The first ``len(lens)`` tokens are one
+        decode token each, attending to entries ``[0, lens[b])`` (``longest`` the most); the rest
+        prompt chunks, ``chunks [C, 4]`` as :class:`ChunkAttention` takes them."""
         c = self.model.config
         B, H, Hkv, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         threads = torch.get_num_threads()
@@ -157,6 +175,11 @@ class DecodeLayers:
         if self.scratch.numel() < threads * (H // Hkv) * longest:  # grows to the longest row seen, then stays
             self.scratch = torch.empty(threads * (H // Hkv) * longest)
         table = self.table(B == 1, kv)
+        n_dec, n_chunks = len(lens), 0 if chunks is None else chunks.shape[0]
+        chunk_args = (0, 0, 0)
+        if n_chunks:
+            kernel = ctypes.cast(self.chunks.lib.chunk_attention, ctypes.c_void_p).value
+            chunk_args = (chunks.data_ptr(), kernel, self.chunks.scratch_for(chunks, Hkv, D))
         eps = self.model.model.layers[0].input_layernorm.eps
         assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv.valid.is_contiguous()
         args = (
@@ -164,6 +187,7 @@ class DecodeLayers:
             table.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows.data_ptr(), ents.data_ptr(),
             lens.data_ptr(), longest, kv.valid.data_ptr(), kv.valid.shape[1], kv.k[0].shape[2],
             self.work.data_ptr(), self.scratch.data_ptr(), threads, *self.kernels, int(bf16),
+            n_dec, chunk_args[0], n_chunks, *chunk_args[1:],
         )  # fmt: skip
         err = traced("compactrl::decode_layers", self.fn, *args)
         self.calls += 1

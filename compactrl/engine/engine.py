@@ -90,7 +90,9 @@ class Engine:
         self.linears.prepare(model)
         self.attention = DecodeAttention.of(model, self.config.attention)
         self.chunk_attention = ChunkAttention.of(model, self.config.attention)
-        self.decode_layers = DecodeLayers(model, self.linears, self.projections, self.attention)
+        self.decode_layers = DecodeLayers(
+            model, self.linears, self.projections, self.attention, self.chunk_attention
+        )
         self.sessions: dict[Session, None] = {}  # open sessions (insertion-ordered set); closed ones leave
         c = self.config
         self.book = self.Book(self.kv, self.sessions, c.block_size, c.compact_holes)

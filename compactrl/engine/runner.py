@@ -128,8 +128,9 @@ def forward_step(
     """Write every fed token's K/V into its row and return float32 logits for feeds that ask.
     ``linears`` runs the linear layers and the head (see :mod:`compactrl.engine.linear`);
     ``attention`` the batched decode tokens' attention (SDPA when ``None``); ``layers`` all layers
-    of a step of decode tokens only, in one call, where it applies; ``chunks`` the attention of
-    prompt chunks over their own rows (SDPA when ``None``)."""
+    of the step in one call, where it applies (decode tokens, and prompt chunks over their own rows
+    with ``chunks``); ``chunks`` the attention of prompt chunks over their own rows (SDPA when
+    ``None``)."""
     device = kv.device
     lin = linears or Linears(model, "native")
     dec, rest = step_order(feeds)
@@ -176,9 +177,17 @@ def forward_step(
     x = model.model.embed_tokens(tokens)
     cos, sin = model.rope(positions[None], x.dtype)
     one_call = (
-        kernel and layers is not None and layers.applies(B, prefill=bool(rest), keep_queries=bool(capture))
+        layers is not None
+        and (kernel or not B)
+        and len(own) == len(rest)  # no chunk reads a forked prefix, and the chunk kernel is in use
+        and layers.applies(N, prefill=bool(rest), keep_queries=bool(capture))
     )
-    if one_call:
+    if one_call and rest:  # each token's cache row and entry; decode tokens attend first
+        rows = torch.tensor([f.row for f in order for _ in range(f.n)], device=device)
+        ents = torch.tensor([e for f in order for e in range(f.entry, f.entry + f.n)], device=device)
+        lens = d_len if B else torch.zeros(0, dtype=torch.int64)
+        layers(x, cos[0], sin[0], kv, rows, ents, lens, length if B else 0, own_rows)
+    elif one_call:
         layers(x, cos[0], sin[0], kv, d_rows, d_ent, d_len, length)
     for li, layer in enumerate([] if one_call else model.model.layers):
         q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0], lin)  # [N, heads, D]
