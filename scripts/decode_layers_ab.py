@@ -51,7 +51,7 @@ def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: str) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a model folder (runs/smollm2)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32], help="none: no decode steps")
     p.add_argument("--context", type=int, nargs="+", default=[128, 1024])
     p.add_argument("--prefill", nargs="*", default=["1x128", "8x128", "1x1024"], help="SESSIONSxTOKENS")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

