@@ -25,7 +25,8 @@ before), taking turns: decode steps of ``--batch`` sessions of ``--context`` pro
 way), and prefills of ``SESSIONSxTOKENS`` fresh prompts (``--prefill``, one timed ``run`` each);
 median milliseconds. In bfloat16 the kernel arm also runs one row (batch 1) by ``gemv.c``. The
 same prefills again with the kernel's SwiGLU epilogue (gate and up in, SiLU(gate) * up out)
-against gate and up written out and activated by torch (``swiglu_prefills``).
+against gate and up written out and activated by torch (``swiglu_prefills``). Prefills run the
+torch path around the products in both arms (``decode_layers.c`` would take them either way).
 """
 
 import argparse
@@ -135,6 +136,7 @@ def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: torch.d
     up written out and activated apart."""
     lm = load_model(model, dtype=dtype)
     eng = Engine(lm, None, EngineConfig(kv_pool_tokens=sessions * (tokens + 8), max_step_tokens=2048))
+    eng.decode_layers = None  # the torch path in both arms (decode_layers.c calls the kernel either way)
     if not swiglu:
         return toggled_prefills(eng, toggle(eng), "panel_gemm", "onednn", sessions, tokens, rounds)
     lin = eng.linears

@@ -2,21 +2,24 @@
  * own entry, holes (valid == 0) masked. The prefill half of a step (decode_attention.c is the
  * one-token half).
  *
- * A work item is ROWS / G query tokens of one chunk and one KV head: their query rows (the G heads
- * sharing the KV head, token-major) go over the row's keys in blocks of KB, flash style: scores of
- * a block as tiles of MR rows x KB keys (2 x MR vector sums, a tile per D-long pass, as a GEMM
- * kernel), an online softmax per row (running maximum and sum, earlier sums rescaled), then the
- * block's V rows weighted into the row's float32 output. Keys past a row's own entry and holes
- * weigh exactly 0; a block entirely before the item's first token and without holes needs no mask.
- * torch's flash kernel runs this at about 50 GFLOP/s on one core whatever the CPU (SmolLM2's
- * shapes); these tiles keep the FMA units busier.
+ * First each (chunk, KV head)'s keys are packed by blocks of KB, transposed ([D, KB] a block),
+ * and its values widened to float32, holes and padding zero, once for all its work items. A work
+ * item is ROWS / G query tokens of one chunk and one KV head: their query rows (the G heads
+ * sharing the KV head, token-major, padded to whole tiles) go over the keys block by block, flash
+ * style: scores as tiles of MR rows x KB keys (NV x MR vector sums over a D-long pass, as a GEMM
+ * kernel), an online softmax per row (running maximum and sum, earlier sums rescaled; maxima and
+ * sums folded across lanes by shuffles, exponentials in vector arithmetic), then the block's V
+ * rows weighted into the rows' float32 outputs, RV rows x DV vectors at a time. Keys past a
+ * row's own entry and holes weigh exactly 0; a block entirely before the item's first token and
+ * without holes needs no mask. torch's flash kernel runs this at about 50 GFLOP/s on one core
+ * whatever the CPU (SmolLM2's shapes); these tiles keep the FMA units busier.
  *
  * Layouts (elements): q [N, Hkv*G, D] token rows of stride q_stride, heads contiguous; K, V one
  * layer's cache [rows, Hkv, cap, D], contiguous; valid [rows, vcap] bytes; chunks [C, 4] int64
  * (token offset in q and out, cache row, first entry, tokens); out [N, Hkv*G, D] contiguous.
- * float32 or bfloat16 storage (bf16 != 0), float32 arithmetic, output rounded once. Returns 1
- * when G, D are past the kernel's bounds (D a multiple of LANES up to MAX_D), 2 when a chunk
- * runs past the cache.
+ * float32 or bfloat16 storage (bf16 != 0), float32 arithmetic, output rounded once; scratch
+ * scratch_floats() floats. Returns 1 when G, D are past the kernel's bounds (D a multiple of
+ * LANES up to MAX_D), 2 when a chunk runs past the cache.
  */
 #include <math.h>
 #include <stdint.h>

@@ -182,13 +182,13 @@ def forward_step(
         and len(own) == len(rest)  # no chunk reads a forked prefix, and the chunk kernel is in use
         and layers.applies(N, prefill=bool(rest), keep_queries=bool(capture))
     )
-    if one_call and rest:  # each token's cache row and entry; decode tokens attend first
-        rows = torch.tensor([f.row for f in order for _ in range(f.n)], device=device)
-        ents = torch.tensor([e for f in order for e in range(f.entry, f.entry + f.n)], device=device)
+    if one_call:  # each token's cache row and entry; decode tokens attend first, then the chunks
+        rows, ents = (d_rows, d_ent) if not rest else (
+            torch.tensor([f.row for f in order for _ in range(f.n)], device=device),
+            torch.tensor([e for f in order for e in range(f.entry, f.entry + f.n)], device=device),
+        )  # fmt: skip
         lens = d_len if B else torch.zeros(0, dtype=torch.int64)
-        layers(x, cos[0], sin[0], kv, rows, ents, lens, length if B else 0, own_rows)
-    elif one_call:
-        layers(x, cos[0], sin[0], kv, d_rows, d_ent, d_len, length)
+        layers(x, cos[0], sin[0], kv, rows, ents, lens, length if B else 0, own_rows if rest else None)
     for li, layer in enumerate([] if one_call else model.model.layers):
         q, k, v = projections[li](layer.input_layernorm(x), cos[0], sin[0], lin)  # [N, heads, D]
         for f in capture:  # only sessions with a token evictor pay for this
