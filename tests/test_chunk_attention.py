@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compactrl.engine import Engine, EngineConfig, SamplingParams
+from compactrl.engine import Engine, EngineConfig, SamplingParams, chunk_attention
 from compactrl.engine.chunk_attention import ChunkAttention, load_kernel
 from compactrl.models.tiny import init_random, tiny_config
 
@@ -87,6 +87,19 @@ def test_kernel_reads_query_rows_with_a_stride_and_threads_do_not_change_it():
     with pytest.raises(AssertionError, match="past the cache"):
         short = (t[:, :, :120].contiguous() for t in (K, V))  # a chunk ends at entry 123
         attn(q, *short, valid[:, :120].contiguous(), chunks, one)
+
+
+@needs_kernel
+def test_chunks_whose_keys_do_not_fit_the_scratch_together_go_in_groups(monkeypatch):
+    """The scratch stays bounded (a long row's chunk, not a step's sum of them): the same bits."""
+    q, K, V, valid, chunks = step(torch.float32, 3, 64)
+    whole, grouped = torch.empty_like(q), torch.empty_like(q)
+    one_call = ChunkAttention("kernel", "cpu", torch.float32, 3, 64)
+    one_call(q, K, V, valid, chunks, whole)
+    monkeypatch.setattr(chunk_attention, "SCRATCH_FLOATS", 1)  # room for the largest chunk only
+    in_groups = ChunkAttention("kernel", "cpu", torch.float32, 3, 64)
+    in_groups(q, K, V, valid, chunks, grouped)
+    assert torch.equal(whole, grouped) and in_groups.scratch.numel() < one_call.scratch.numel() / 2
 
 
 def test_a_head_size_the_kernel_cannot_read_is_refused_and_auto_falls_back():

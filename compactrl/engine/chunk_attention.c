@@ -18,8 +18,9 @@
  * layer's cache [rows, Hkv, cap, D], contiguous; valid [rows, vcap] bytes; chunks [C, 4] int64
  * (token offset in q and out, cache row, first entry, tokens); out [N, Hkv*G, D] contiguous.
  * float32 or bfloat16 storage (bf16 != 0), float32 arithmetic, output rounded once; scratch
- * scratch_floats() floats. Returns 1 when G, D are past the kernel's bounds (D a multiple of
- * LANES up to MAX_D), 2 when a chunk runs past the cache.
+ * scratch_cap floats, at least scratch_floats() of the largest chunk: chunks go in groups whose
+ * packed keys fit. Returns 1 when G, D are past the kernel's bounds (D a multiple of LANES up to
+ * MAX_D), 2 when a chunk runs past the cache, 3 when one does not fit the scratch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -244,17 +245,13 @@ int64_t scratch_floats(const int64_t *chunks, int C, int Hkv, int D) {
     return 2 * n * Hkv * D;
 }
 
-int chunk_attention(const void *q, int64_t q_stride, const void *K, const void *V, const uint8_t *valid,
-                    int64_t vcap, const int64_t *chunks, int C, void *out, int Hkv, int G, int D, int64_t cap,
-                    float scale, int bf16, float *scratch, int threads) {
-    if (G > MAX_G || D > MAX_D || D % LANES) return 1;
-    const int QT = ROWS / G > 1 ? ROWS / G : 1; /* query tokens per work item */
+/* The chunks of one group, their packed keys and values all in scratch at once. */
+static void attend_group(const void *q, int64_t q_stride, const void *K, const void *V, const uint8_t *valid,
+                         int64_t vcap, const int64_t *chunks, int C, void *out, int Hkv, int G, int D, int64_t cap,
+                         float scale, int bf16, float *scratch, int threads) {
+    const int QT = ROWS / G > 1 ? ROWS / G : 1, H = Hkv * G; /* query tokens per work item */
     int64_t items = 0;
-    for (int c = 0; c < C; c++) {
-        if (chunks[4 * c + 2] + chunks[4 * c + 3] > (cap < vcap ? cap : vcap)) return 2;
-        items += (chunks[4 * c + 3] + QT - 1) / QT;
-    }
-    const int H = Hkv * G;
+    for (int c = 0; c < C; c++) items += (chunks[4 * c + 3] + QT - 1) / QT;
     /* each (chunk, KV head)'s keys packed by blocks and values widened once, for all its items;
      * holes and padding zero (a hole's stale or uninitialised bytes never meet a weight) */
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic)
@@ -295,6 +292,21 @@ int chunk_attention(const void *q, int64_t q_stride, const void *K, const void *
                 if (bf16) ((uint16_t *)out)[at] = to_bf16(of[t * G * D + e]);
                 else ((float *)out)[at] = of[t * G * D + e];
             }
+    }
+}
+
+int chunk_attention(const void *q, int64_t q_stride, const void *K, const void *V, const uint8_t *valid,
+                    int64_t vcap, const int64_t *chunks, int C, void *out, int Hkv, int G, int D, int64_t cap,
+                    float scale, int bf16, float *scratch, int64_t scratch_cap, int threads) {
+    if (G > MAX_G || D > MAX_D || D % LANES) return 1;
+    for (int c = 0; c < C; c++) {
+        if (chunks[4 * c + 2] + chunks[4 * c + 3] > (cap < vcap ? cap : vcap)) return 2;
+        if (scratch_floats(chunks + 4 * c, 1, Hkv, D) > scratch_cap) return 3;
+    }
+    for (int c0 = 0, c1; c0 < C; c0 = c1) { /* chunks in groups whose packed keys fit the scratch */
+        for (c1 = c0 + 1; c1 < C && scratch_floats(chunks + 4 * c0, c1 + 1 - c0, Hkv, D) <= scratch_cap;) c1++;
+        attend_group(q, q_stride, K, V, valid, vcap, chunks + 4 * c0, c1 - c0, out, Hkv, G, D, cap, scale, bf16,
+                     scratch, threads);
     }
     return 0;
 }

@@ -26,14 +26,15 @@ from compactrl.engine.kernels import compile_c, traced
 
 SOURCE = Path(__file__).with_name("chunk_attention.c")
 MAX_G, MAX_D = 16, 256  # the C kernel's fixed bounds on query heads per KV head and head size
-KERNEL_ERRORS = ("", "G or D past the kernel's bounds", "a chunk past the cache")  # by code
+KERNEL_ERRORS = ("", "G or D past the kernel's bounds", "a chunk past the cache", "a chunk past the scratch")
+SCRATCH_FLOATS = 1 << 23  # 32 MB: a step's chunks share it in groups (each at least one chunk)
 
 
 @cache
 def load_kernel() -> ctypes.CDLL | str:
     """The compiled kernel, or the reason there is none (no C compiler, a failed build)."""
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    args = [P, I64, P, P, P, I64, P, I, P, I, I, I, I64, F, I, P, I]
+    args = [P, I64, P, P, P, I64, P, I, P, I, I, I, I64, F, I, P, I64, I]
     need = [P, I, I, I]
     return compile_c(
         SOURCE, {"chunk_attention": (args, I), "scratch_floats": (need, I64), "vector_floats": ([], I)}
@@ -71,13 +72,16 @@ class ChunkAttention:
         p, c = next(model.parameters()), model.config
         return cls(mode, p.device, p.dtype, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
 
-    def scratch_for(self, chunks: torch.Tensor, Hkv: int, D: int) -> int:
-        """The address of scratch enough for a call on ``chunks`` (each one's keys packed and values
-        as float32): grown to the largest step seen, then kept."""
+    def scratch_for(self, chunks: torch.Tensor, Hkv: int, D: int) -> tuple[int, int]:
+        """The address and size in floats of scratch for a call on ``chunks`` (each one's keys packed
+        and values as float32): up to ``SCRATCH_FLOATS`` for the step, which the kernel fills a
+        group of chunks at a time, or one chunk's need if more (a long row); grown, then kept."""
         need = self.lib.scratch_floats(chunks.data_ptr(), chunks.shape[0], Hkv, D)
-        if self.scratch.numel() < need:
-            self.scratch = torch.empty(need)
-        return self.scratch.data_ptr()
+        one = max(self.lib.scratch_floats(c.data_ptr(), 1, Hkv, D) for c in chunks.split(1))
+        size = max(one, min(need, SCRATCH_FLOATS))
+        if self.scratch.numel() < size:
+            self.scratch = torch.empty(size)
+        return self.scratch.data_ptr(), self.scratch.numel()
 
     def __call__(self, q, K, V, valid, chunks, out) -> None:
         """``q [N, H, D]`` (heads contiguous) of a step's tokens; ``chunks [C, 4]`` int64 rows of
@@ -92,7 +96,7 @@ class ChunkAttention:
         args = (
             q.data_ptr(), q.stride(0), K.data_ptr(), V.data_ptr(), valid.data_ptr(), valid.shape[1],
             chunks.data_ptr(), chunks.shape[0], out.data_ptr(), Hkv, H // Hkv, D, K.shape[2], D**-0.5,
-            int(q.dtype == torch.bfloat16), self.scratch_for(chunks, Hkv, D), torch.get_num_threads(),
+            int(q.dtype == torch.bfloat16), *self.scratch_for(chunks, Hkv, D), torch.get_num_threads(),
         )  # fmt: skip
         err = traced("compactrl::chunk_attention", self.lib.chunk_attention, *args)
         assert err == 0, KERNEL_ERRORS[err]

@@ -43,7 +43,7 @@ typedef int (*attention_fn)(const void *, int64_t, const void *, const void *, c
                             const int64_t *, const int64_t *, void *, int, int, int, int, int64_t, float,
                             int, float *, int64_t, int);
 typedef int (*chunk_fn)(const void *, int64_t, const void *, const void *, const uint8_t *, int64_t,
-                        const int64_t *, int, void *, int, int, int, int64_t, float, int, float *, int);
+                        const int64_t *, int, void *, int, int, int, int64_t, float, int, float *, int64_t, int);
 
 static inline float from16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -102,7 +102,7 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
                   const int64_t *ents, const int64_t *lens, int64_t longest, const uint8_t *valid, int64_t vcap,
                   int64_t cap, float *work, float *scratch, int threads, gemv_fn gemv, void *gemm,
                   attention_fn attend, int bf16, int64_t n_dec, const int64_t *chunks, int n_chunks,
-                  chunk_fn chunk_attend, float *chunk_scratch) {
+                  chunk_fn chunk_attend, float *chunk_scratch, int64_t chunk_scratch_floats) {
     /* work: floats h, proj [B, d], qkv [B, Q], att [B, H*D], gu [B, 2F]; in bfloat16 also the
      * residual stream xf [B, d] and 16-bit q16 [B, max(Q, d)], a16 [B, max(H*D, F, d)] after them */
     int64_t Q = (H + 2 * Hkv) * D, es = bf16 ? 2 : 4;
@@ -141,7 +141,8 @@ int decode_layers(void *x, int64_t B, int64_t L, int64_t d, int64_t H, int64_t H
                         : 0;
         if (!err && n_chunks)
             err = chunk_attend(qs, Q, t[K_CACHE], t[V_CACHE], valid, vcap, chunks, n_chunks, as, (int)Hkv,
-                               (int)(H / Hkv), (int)D, cap, scale, bf16, chunk_scratch, threads);
+                               (int)(H / Hkv), (int)D, cap, scale, bf16, chunk_scratch, chunk_scratch_floats,
+                               threads);
         if (err) return err;
         if (bf16 && B > 1) { /* the attention's bfloat16 output is the product's input as it is */
             ((gemm16_fn)gemm)(a16, t[O], proj, B, d, H * D, 0, 0, threads);

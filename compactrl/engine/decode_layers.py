@@ -40,7 +40,7 @@ def load_decode_layers() -> ctypes.CDLL | str:
     """The compiled loop, or the reason there is none (no C compiler, a failed build)."""
     P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     args = [P, I64, I64, I64, I64, I64, I64, I64, F, P, P, P, P, P, P, I64, P, I64, I64, P, P, I, P, P, P, I]
-    args += [I64, P, I, P, P]  # decode tokens, then the chunks: their table, count, kernel and scratch
+    args += [I64, P, I, P, P, I64]  # decode tokens, then the chunks: table, count, kernel, scratch, its size
     return compile_c(Path(__file__).with_name("decode_layers.c"), {"decode_layers": (args, I)})
 
 
@@ -176,10 +176,10 @@ class DecodeLayers:
             self.scratch = torch.empty(threads * (H // Hkv) * longest)
         table = self.table(B == 1, kv)
         n_dec, n_chunks = len(lens), 0 if chunks is None else chunks.shape[0]
-        chunk_args = (0, 0, 0)
+        chunk_args = (0, 0, 0, 0)
         if n_chunks:
             kernel = ctypes.cast(self.chunks.lib.chunk_attention, ctypes.c_void_p).value
-            chunk_args = (chunks.data_ptr(), kernel, self.chunks.scratch_for(chunks, Hkv, D))
+            chunk_args = (chunks.data_ptr(), kernel, *self.chunks.scratch_for(chunks, Hkv, D))
         eps = self.model.model.layers[0].input_layernorm.eps
         assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and kv.valid.is_contiguous()
         args = (
