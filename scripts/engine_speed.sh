@@ -28,6 +28,8 @@ for dtype in float32 bfloat16; do
     --json --out "docs/engine_speed_$short.json" > /dev/null
   python scripts/profile_engine.py --model runs/smollm2 --dtype "$dtype" --batch 1 8 32 \
     --context 128 1024 --new-tokens 32 --out "docs/engine_profile_$short.json"
+  python scripts/profile_engine.py --model runs/smollm2 --dtype "$dtype" --batch 1 8 32 --torch-path \
+    --context 128 1024 --new-tokens 4 --out "docs/engine_profile_${short}_torch_path.json"
 done
 # the context-128 cells again, best of 6 rounds each (prefill there is at parity with vLLM)
 compactrl bench engine --model runs/smollm2 --batch 1 --batch 8 --batch 32 --context 128 --new-tokens 32 \

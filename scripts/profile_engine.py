@@ -2,14 +2,14 @@
 
     python scripts/profile_engine.py [--model runs/smollm2] [--batch 1 8 32] [--context 128 1024]
                                      [--new-tokens 32] [--threads 1] [--dtype float32] [--matmul auto]
-                                     [--attention auto]
-                                     [--out FILE]
+                                     [--attention auto] [--torch-path] [--out FILE]
 
 For each (batch, context): ``batch`` sessions of ``context`` prompt tokens are prefilled (profiled),
 then decode ``new-tokens`` tokens each (profiled). Each op's own CPU time is put in a kind (GEMMs,
-attention, elementwise, copies and indexing, sampling, other, and "one call": a decode step's
-layers in ``decode_layers.c``, products and attention inside); what the ops do not account for of
-the steps' wall time is Python and dispatch overhead. Without --model, a generated model of
+attention, elementwise, copies and indexing, sampling, other, and "one call": a step's layers in
+``decode_layers.c``, products and attention inside; ``--torch-path`` runs every step without it,
+so the trace shows each op); what the ops do not account for of the steps' wall time is Python
+and dispatch overhead. Without --model, a generated model of
 SmolLM2-135M's shape (random weights) is used, so the script runs anywhere.
 """
 
@@ -114,16 +114,20 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--matmul", default="auto", help="EngineConfig.matmul: auto, native, onednn, float32")
     p.add_argument("--attention", default="auto", help="EngineConfig.attention: auto, kernel, sdpa")
+    p.add_argument("--torch-path", action="store_true", help="no step in one call: each op in the trace")
     p.add_argument("--out", default=None, help="write the JSON here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     eng = engine(a.model, a.dtype, a.matmul, a.attention)
+    if a.torch_path:
+        eng.decode_layers = None
     run(eng, 1, 16, 2)  # warm-up
     params = sum(x.numel() for x in eng.model.parameters())
     machine = machine_info(a.threads) | {"capability": torch.backends.cpu.get_cpu_capability()}
     result = {"machine": machine,
               "model": a.model or "SmolLM2-135M shape (random)", "parameters": params, "dtype": a.dtype,
-              "matmul": eng.linears.kind, "attention": eng.attention.kind, "settings": []}  # fmt: skip
+              "matmul": eng.linears.kind, "attention": eng.attention.kind, "torch_path": a.torch_path,
+              "settings": []}  # fmt: skip
     for b in a.batch:
         for c in a.context:
             r = run(eng, b, c, a.new_tokens)
