@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from compactrl.engine.decode_attention import DTYPES, AttentionMode
+from compactrl.engine.decode_attention import DTYPES, DecodeAttention
 from compactrl.engine.kernels import compile_c, traced
 
 SOURCE = Path(__file__).with_name("chunk_attention.c")
@@ -56,21 +56,12 @@ def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: 
     return ""
 
 
-class ChunkAttention:
-    """Runs chunk attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``)."""
+class ChunkAttention(DecodeAttention):
+    """Runs chunk attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``);
+    chosen as the decode kernel is (:class:`DecodeAttention`), with this kernel's bounds."""
 
-    def __init__(self, mode: AttentionMode, device, dtype: torch.dtype, group: int, head_dim: int):
-        why = "" if mode == "sdpa" else unsupported(torch.device(device), dtype, group, head_dim)
-        if mode == "kernel" and why:
-            raise ValueError(f"attention = 'kernel' cannot run: {why}; set attention = 'auto' or 'sdpa'")
-        self.kind = "sdpa" if mode == "sdpa" or why else "kernel"
-        self.lib = load_kernel() if self.kind == "kernel" else None
-        self.scratch = torch.empty(0)
-
-    @classmethod
-    def of(cls, model, mode: AttentionMode = "auto") -> ChunkAttention:
-        p, c = next(model.parameters()), model.config
-        return cls(mode, p.device, p.dtype, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
+    unsupported = staticmethod(unsupported)
+    load_kernel = staticmethod(load_kernel)
 
     def scratch_for(self, chunks: torch.Tensor, Hkv: int, D: int) -> tuple[int, int]:
         """The address and size in floats of scratch for a call on ``chunks`` (each one's keys packed

@@ -56,15 +56,19 @@ def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: 
 
 
 class DecodeAttention:
-    """Runs decode attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``)."""
+    """Runs decode attention with the kernel (``kind == "kernel"``) or leaves it to SDPA (``"sdpa"``).
+    A subclass for another kernel names its own ``unsupported`` and ``load_kernel``."""
+
+    unsupported = staticmethod(unsupported)
+    load_kernel = staticmethod(load_kernel)
 
     def __init__(self, mode: AttentionMode, device, dtype: torch.dtype, group: int, head_dim: int):
-        why = "" if mode == "sdpa" else unsupported(torch.device(device), dtype, group, head_dim)
+        why = "" if mode == "sdpa" else self.unsupported(torch.device(device), dtype, group, head_dim)
         if mode == "kernel" and why:
             raise ValueError(f"attention = 'kernel' cannot run: {why}; set attention = 'auto' or 'sdpa'")
         self.kind = "sdpa" if mode == "sdpa" or why else "kernel"
-        self.lib = load_kernel() if self.kind == "kernel" else None
-        self.scratch = torch.empty(0)
+        self.lib = self.load_kernel() if self.kind == "kernel" else None
+        self.scratch = torch.empty(0)  # grown by __call__ to what a step needs, then kept
 
     @classmethod
     def of(cls, model, mode: AttentionMode = "auto") -> DecodeAttention:
