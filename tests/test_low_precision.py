@@ -130,6 +130,18 @@ def test_low_precision_logits_are_float32_and_match_the_trainer_head():
     assert (rounded - _logits(model, h)).abs().max() > 1e-4
 
 
+def test_the_head_of_a_float32_model_stays_float32_under_bfloat16_autocast():
+    """Training a float32 model in bfloat16 (autocast) rounds the layers, not the logits."""
+    model = lm("qwen3", dtype=torch.float32)
+    h = torch.randn(6, model.config.hidden_size).bfloat16()  # a final norm's output under autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = _logits(model, h)
+        rounded = model.lm_head(h).float()  # what autocast does to the head by itself
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, F.linear(h.float(), model.lm_head.weight))
+    assert (rounded - logits).abs().max() > 1e-3  # negative control: a bfloat16 head is visibly off
+
+
 @pytest.mark.parametrize(
     "matmul",
     ["native", "float32", *(pytest.param(m, marks=needs_onednn_bf16) for m in ("onednn", "auto"))],

@@ -227,6 +227,21 @@ def test_bfloat16_autocast_trains_close_to_float32_with_a_visible_mismatch(tiny_
     assert float(f32["grad"] @ bf16["grad"]) > 0.95  # the same direction
 
 
+def test_bfloat16_on_a_cpu_without_bfloat16_gemms_is_warned_about(tiny_lm, monkeypatch):
+    import warnings
+
+    import compactrl.rl.trainer as trainer_module
+
+    for native in (True, False):
+        monkeypatch.setattr(trainer_module, "has_native_low_precision_matmul", lambda device, n=native: n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Trainer(copy.deepcopy(tiny_lm), TrainSettings(precision="bfloat16"))
+            Trainer(copy.deepcopy(tiny_lm), TrainSettings(precision="float32"))
+        said = [str(w.message) for w in caught if "train.precision" in str(w.message)]
+        assert len(said) == (0 if native else 1) and all("'float32' is faster" in m for m in said)
+
+
 def test_tempered_rollouts_match_the_trainer_at_their_temperature(tiny_lm):
     model = copy.deepcopy(tiny_lm)
     eng = Engine(model, None, EngineConfig(kv_pool_tokens=10_000))

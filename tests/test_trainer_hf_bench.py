@@ -70,3 +70,23 @@ def test_cli_bad_input_names_the_problem(bench_inputs, tmp_path):
     save_traces(tmp_path / "flat.jsonl", [Trace.from_tokens([1, 2, 3])])  # nothing evicted
     r = bench(model, tmp_path / "flat.jsonl")
     assert r.exit_code == 2 and "no main trace with evictions" in r.output
+
+
+def test_bfloat16_arms_against_their_float32(bench_inputs):
+    """In bfloat16 both arms move away from float32 (rounding shows) but not far and keep the
+    gradient's direction; the float32 checks still gate and our float32 arm is timed beside them."""
+    from compactrl.bench.trainer_hf import markdown
+
+    model, traces = bench_inputs
+    r = run_trainer_hf_bench(model, traces, lora_r=4, n_traces=2, repeats=1, chunk=32, precision="bfloat16")
+    assert r["dtype"] == "bfloat16" and r["same_values"]  # the float32 checks still run and gate
+    d = r["bfloat16_vs_float32"]
+    for arm in ("ours", "hf"):
+        assert 1e-4 < d[arm]["mean_abs_logprob_diff"] <= d[arm]["max_abs_logprob_diff"] < 0.5
+        assert d[arm]["min_lora_grad_cosine"] > 0.9
+    assert r["no_less_exact"] == (d["ours"]["mean_abs_logprob_diff"] <= d["hf"]["mean_abs_logprob_diff"])
+    assert set(r["runs_s"]) == {"ours", "hf", "ours_float32"} and r["ours_float32_s"] > 0
+    assert r["bfloat16_speedup"] == pytest.approx(r["ours_float32_s"] / r["ours_s"])
+    assert "time, bfloat16 / float32" in markdown(r) and "causal" not in markdown(r)
+    with pytest.raises(ValueError, match="float16"):
+        run_trainer_hf_bench(model, traces, precision="float16")

@@ -11,6 +11,12 @@ Before anything is timed the arms must agree: per-token log-probs to ``TOLERANCE
 gradients to float32 accuracy, and, as a negative control, the HF arm under a plain causal mask
 must *not* agree (else the traces' evictions would not be exercised and the comparison would
 say nothing about them).
+
+With ``precision="bfloat16"`` both arms run forward and backward under bfloat16 autocast (the
+way either is trained in bfloat16 on a CPU: float32 weights, bfloat16 GEMMs and attention), and
+our float32 arm is timed beside them, so one run says whether bfloat16 pays on this CPU. The
+float32 checks above still gate; bfloat16 has no exact answer, so each arm's log-probs and LoRA
+gradients are compared with float32's, and ours must be no further from it than theirs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -30,6 +37,7 @@ from compactrl.trace import Trace, load_traces
 
 DEFAULT_TRACES = Path("runs/bench_sidequest_replicate/a-sidequest-every2/traces.jsonl")
 TOLERANCE = 5e-5  # max |log-prob difference| in float32 for the two arms to count as the same computation
+Precision = Literal["float32", "bfloat16"]
 
 
 def stream_traces(path: str | Path, n: int, vocab_size: int) -> list[Trace]:
@@ -95,12 +103,22 @@ def lora_pair(model_dir: str | Path, r: int, device: str) -> tuple[torch.nn.Modu
     return ours.train(), hf.train()
 
 
-def grad_diff(ours: torch.nn.Module, hf: torch.nn.Module) -> float:
+def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' gradients by our parameter names (peft's prefix dropped)."""
+    return {k.removeprefix("base_model.model."): p.grad.detach().clone()
+            for k, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+
+
+def grad_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
     """Worst adapter tensor's max |grad difference| over its own max |grad| (its scale)."""
-    theirs = {k.removeprefix("base_model.model."): p.grad for k, p in hf.named_parameters()
-              if p.requires_grad}  # fmt: skip
-    return max(float((p.grad - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-30))
-               for k, p in ours.named_parameters() if p.requires_grad)  # fmt: skip
+    return max(float((g - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-30))
+               for k, g in ours.items())  # fmt: skip
+
+
+def grad_cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Cosine between two sets of adapter gradients, flattened: the direction a step would take."""
+    x, y = (torch.cat([g[k].double().flatten() for k in sorted(a)]) for g in (a, b))
+    return float(x @ y / (x.norm() * y.norm()).clamp_min(1e-300))
 
 
 def run_trainer_hf_bench(
@@ -114,8 +132,11 @@ def run_trainer_hf_bench(
     chunk: int = 256,
     device: str = "cpu",
     backend: Backend = "chunked",
+    precision: Precision = "float32",
     progress: Callable[[int], Callable[[], None]] | None = None,
 ) -> dict:
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"precision {precision!r} is not one of float32, bfloat16")
     torch.set_num_threads(threads)
     # the traces are checked (and the vocabulary) before the models are loaded: bad input fails fast
     traces = stream_traces(traces_path, n_traces, load_config(Path(model_dir)).vocab_size)
@@ -123,54 +144,71 @@ def run_trainer_hf_bench(
     tokens = [torch.as_tensor(t.tokens, device=device) for t in traces]
     masks = [eviction_mask(torch.as_tensor(t.evict_at, device=device)) for t in traces]
     weights = [torch.as_tensor(t.trainable, device=device) for t in traces]
+    bf16 = precision == "bfloat16"
 
-    def ours_step(k: int) -> torch.Tensor:
-        lp = stream_logprobs(ours, [traces[k]], chunk=chunk, backend=backend)[0]
-        (-(lp * weights[k]).sum()).backward()
+    def step(arm: str, k: int, low: bool) -> torch.Tensor:
+        """Forward and backward of one arm on trace ``k``, under bfloat16 autocast if ``low``."""
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=low):
+            if arm == "ours":
+                lp = stream_logprobs(ours, [traces[k]], chunk=chunk, backend=backend)[0]
+            else:
+                lp = hf_logprobs(hf, tokens[k], masks[k])
+            (-(lp * weights[k]).sum()).backward()
         return lp.detach()
 
-    def hf_step(k: int) -> torch.Tensor:
-        lp = hf_logprobs(hf, tokens[k], masks[k])
-        (-(lp * weights[k]).sum()).backward()
-        return lp.detach()
+    def fresh(arm: str, k: int, low: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = ours if arm == "ours" else hf
+        model.zero_grad(set_to_none=True)
+        return step(arm, k, low), lora_grads(model)
 
+    timed_arms = {"ours": ("ours", bf16), "hf": ("hf", bf16)}
+    if bf16:  # our float32 time beside them: does bfloat16 pay on this CPU?
+        timed_arms["ours_float32"] = ("ours", False)
     advance = progress((repeats + 1) * len(traces)) if progress else (lambda: None)
-    # Round 0, untimed, warms both arms up and yields the values compared: per trace, the
-    # log-probs and adapter gradients of both arms, and the HF arm under a causal mask.
+    # Round 0, untimed, warms the arms up and yields the values compared: per trace, the float32
+    # log-probs and adapter gradients of both arms, the HF arm under a causal mask, and in
+    # bfloat16 each arm's distance from float32 (over the trained tokens).
     lp_diff, g_diff, causal_diff = 0.0, 0.0, float("inf")
+    low = {arm: {"max": 0.0, "abs_sum": 0.0, "cosine": 1.0} for arm in ("ours", "hf")}
     for k in range(len(traces)):
-        ours.zero_grad(set_to_none=True)
-        hf.zero_grad(set_to_none=True)
-        a, b = ours_step(k), hf_step(k)
         w = weights[k]
+        (a, ga), (b, gb) = fresh("ours", k, False), fresh("hf", k, False)
         lp_diff = max(lp_diff, float((a - b)[w].abs().max()))
-        g_diff = max(g_diff, grad_diff(ours, hf))
+        g_diff = max(g_diff, grad_diff(ga, gb))
         with torch.no_grad():
             causal = hf_logprobs(hf, tokens[k], eviction_mask(torch.full_like(tokens[k], len(tokens[k]))))
         causal_diff = min(causal_diff, float((a - causal)[w].abs().max()))
+        for arm, ref, ref_g in (("ours", a, ga), ("hf", b, gb)) if bf16 else ():
+            lp, g = fresh(arm, k, True)
+            d = (lp - ref)[w].abs()
+            low[arm]["max"] = max(low[arm]["max"], float(d.max()))
+            low[arm]["abs_sum"] += float(d.sum())
+            low[arm]["cosine"] = min(low[arm]["cosine"], grad_cosine(g, ref_g))
         advance()
     # Then the arms take turns on every trace (A B, A B, ...), so machine drift hits both alike.
-    runs: dict[str, list[float]] = {"ours": [], "hf": []}
+    runs: dict[str, list[float]] = {arm: [] for arm in timed_arms}
     for _ in range(repeats):
-        total = {"ours": 0.0, "hf": 0.0}
+        total = dict.fromkeys(timed_arms, 0.0)
         for k in range(len(traces)):
-            total["ours"] += timed(lambda k=k: len(ours_step(k)), ours)[0]
-            total["hf"] += timed(lambda k=k: len(hf_step(k)), hf)[0]
+            for arm, (model, low_arm) in timed_arms.items():
+                net = ours if model == "ours" else hf
+                total[arm] += timed(lambda k=k, m=model, x=low_arm: len(step(m, k, x)), net)[0]
             advance()
         for arm, s in total.items():
             runs[arm].append(s)
     med = medians(runs)
     n_tok = sum(len(t) for t in traces)
-    return {
+    n_trained = int(sum(t.trainable.sum() for t in traces))
+    r = {
         "benchmark": "trainer_hf",
         "machine": machine_info(threads, device),
         "model": config_summary(ours.config) | {"source": str(model_dir)},
-        "dtype": "float32",
+        "dtype": precision,
         "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(PROJECTIONS)},
         "traces": str(traces_path),
         "n_traces": len(traces),
         "tokens": n_tok,
-        "trainable_tokens": int(sum(t.trainable.sum() for t in traces)),
+        "trainable_tokens": n_trained,
         "evicted_tokens": sum(t.num_evicted for t in traces),
         "stream_backend": backend,
         "attention_chunk": chunk,
@@ -182,22 +220,44 @@ def run_trainer_hf_bench(
         "ours_vs_hf": med["hf"] / med["ours"],
         "ours_tokens_per_s": n_tok / med["ours"],
         "hf_tokens_per_s": n_tok / med["hf"],
-        "max_abs_logprob_diff": lp_diff,
+        "max_abs_logprob_diff": lp_diff,  # float32, both arms
         "max_rel_lora_grad_diff": g_diff,
         "causal_mask_diff": causal_diff,  # the trace where a causal mask comes closest to ours
         "tolerance": TOLERANCE,
         "same_values": lp_diff <= TOLERANCE,
         "runs_s": runs,  # per repeat, the whole trace set: the spread behind the medians
     }
+    if bf16:
+        diff = {arm: {"max_abs_logprob_diff": v["max"], "mean_abs_logprob_diff": v["abs_sum"] / n_trained,
+                      "min_lora_grad_cosine": v["cosine"]} for arm, v in low.items()}  # fmt: skip
+        r["bfloat16_vs_float32"] = diff  # each arm against its own float32 values
+        # ours no further from float32 than theirs, on average over the trained tokens
+        r["no_less_exact"] = diff["ours"]["mean_abs_logprob_diff"] <= diff["hf"]["mean_abs_logprob_diff"]
+        r["ours_float32_s"] = med["ours_float32"]
+        r["bfloat16_speedup"] = med["ours_float32"] / med["ours"]  # ours: float32 time / bfloat16 time
+    return r
 
 
 def markdown(r: dict) -> str:
-    """Our stream trainer against transformers + peft, with the checks."""
+    """Our stream trainer against transformers + peft, with the checks; in bfloat16, with our
+    float32 time beside it and each arm's distance from its float32 values."""
+    lead = [r["n_traces"], f"{r['tokens']} ({r['evicted_tokens']})", r["trainable_tokens"]]
+    if r["dtype"] == "bfloat16":
+        d = r["bfloat16_vs_float32"]
+        columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
+                   "time, ours / theirs", "ours float32 s", "time, bfloat16 / float32",
+                   "mean \\|Δ log-prob\\| vs float32, ours / theirs", "max, ours / theirs",
+                   "LoRA grad cosine, ours / theirs"]  # fmt: skip
+        row = [*lead, f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
+               f"{r['ours_float32_s']:.1f}", f"{r['ours_s'] / r['ours_float32_s']:.2f}",
+               *(" / ".join(f"{d[a][key]:{fmt}}" for a in ("ours", "hf"))
+                 for key, fmt in (("mean_abs_logprob_diff", ".4f"), ("max_abs_logprob_diff", ".3f"),
+                                  ("min_lora_grad_cosine", ".4f")))]  # fmt: skip
+        return markdown_table(columns, [row])
     columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
                "time, ours / theirs", "max \\|Δ log-prob\\|", "max rel. LoRA grad diff",
                "causal-mask control"]  # fmt: skip
-    row = [r["n_traces"], f"{r['tokens']} ({r['evicted_tokens']})", r["trainable_tokens"],
-           f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
+    row = [*lead, f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
            f"{r['max_abs_logprob_diff']:.1e}", f"{r['max_rel_lora_grad_diff']:.1e}",
            f"{r['causal_mask_diff']:.1e}"]  # fmt: skip
     return markdown_table(columns, [row])

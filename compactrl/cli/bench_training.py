@@ -140,11 +140,15 @@ def bench_trainer_hf(
     backend: Annotated[
         str, typer.Option(help="Our attention: chunked (CPU) | flex (CUDA) | dense.")
     ] = "chunked",
+    precision: Annotated[
+        str, typer.Option(help="float32 | bfloat16 (both arms autocast; ours in float32 timed beside them).")
+    ] = "float32",
     output: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Forward+backward of our stream trainer vs transformers + peft (SDPA, 4-D eviction mask), LoRA,
-    on the same traces; exits 1 if their log-probs differ by more than 5e-5."""
+    on the same traces; exits 1 if their float32 log-probs differ by more than 5e-5 (or, in
+    bfloat16, if ours are further from float32 than theirs)."""
     from compactrl.bench.trainer_hf import run_trainer_hf_bench
 
     if not (model_dir / "config.json").exists():
@@ -159,6 +163,8 @@ def bench_trainer_hf(
         fail(f"--backend {backend!r} is not one of chunked, flex, dense")
     if backend == "flex" and not device.startswith("cuda"):
         fail("--backend flex needs --device cuda: flex attention has no backward on CPU")
+    if precision not in ("float32", "bfloat16"):
+        fail(f"--precision {precision!r} is not one of float32, bfloat16")
     check_device(device)
     try:
         import peft  # noqa: F401
@@ -170,13 +176,13 @@ def bench_trainer_hf(
         try:
             r = run_trainer_hf_bench(
                 model_dir, traces, lora_r=lora_r, n_traces=traces_count, repeats=repeats, threads=threads,
-                chunk=chunk, device=device, backend=backend, progress=progress,
+                chunk=chunk, device=device, backend=backend, precision=precision, progress=progress,
             )  # fmt: skip
         except ValueError as e:
             fail(str(e))
     if not save_result(r, output, as_json):
         print_trainer_hf(r)
-    if not r["same_values"]:
+    if not r["same_values"] or not r.get("no_less_exact", True):
         raise typer.Exit(1)
 
 
@@ -192,6 +198,14 @@ def print_trainer_hf(r: dict) -> None:
     out.print(f"max |log-prob diff| {r['max_abs_logprob_diff']:.1e} (tolerance {r['tolerance']:.0e}), "
               f"LoRA grads rel. diff {r['max_rel_lora_grad_diff']:.1e}, "
               f"causal-mask control {r['causal_mask_diff']:.2e} (must be > 1e-3)")  # fmt: skip
+    if r["dtype"] == "bfloat16":
+        d = r["bfloat16_vs_float32"]
+        out.print(f"forward+backward in {r['dtype']} (the times above), ours in float32 "
+                  f"{r['ours_float32_s']:.3f} s: bfloat16 {r['bfloat16_speedup']:.2f}x faster")  # fmt: skip
+        for arm, name in (("ours", "ours"), ("hf", "transformers+peft")):
+            out.print(f"{name} vs its float32: mean |log-prob diff| {d[arm]['mean_abs_logprob_diff']:.4f}, "
+                      f"max {d[arm]['max_abs_logprob_diff']:.3f}, "
+                      f"LoRA grad cosine {d[arm]['min_lora_grad_cosine']:.4f}")  # fmt: skip
 
 
 def bench_scale(

@@ -10,14 +10,16 @@
  * kernel), an online softmax per row (running maximum and sum, earlier sums rescaled; maxima and
  * sums folded across lanes by shuffles, exponentials in vector arithmetic), then the block's V
  * rows weighted into the rows' float32 outputs, RV rows x DV vectors at a time. Keys past a
- * row's own entry and holes weigh exactly 0; a block entirely before the item's first token and
- * without holes needs no mask. torch's flash kernel runs this at about 50 GFLOP/s on one core
- * whatever the CPU (SmolLM2's shapes); these tiles keep the FMA units busier.
+ * row's own entry and holes weigh exactly 0: a block's holes are one vector of 0 / -inf added to
+ * every row, the causal cut touches only the keys past a row's last. torch's flash kernel runs
+ * this at about 50 GFLOP/s on one core whatever the CPU (SmolLM2's shapes); these tiles keep the
+ * FMA units busier. With bfloat16 storage on a CPU with AVX512-BF16 the cache's bits go to
+ * vdpbf16ps as they are (scores_dot, weigh_dot): twice the products per instruction.
  *
  * Layouts (elements): q [N, Hkv*G, D] token rows of stride q_stride, heads contiguous; K, V one
  * layer's cache [rows, Hkv, cap, D], contiguous; valid [rows, vcap] bytes; chunks [C, 4] int64
  * (token offset in q and out, cache row, first entry, tokens); out [N, Hkv*G, D] contiguous.
- * float32 or bfloat16 storage (bf16 != 0), float32 arithmetic, output rounded once; scratch
+ * float32 or bfloat16 storage (bf16 != 0), float32 sums, output rounded once; scratch
  * scratch_cap floats, at least scratch_floats() of the largest chunk: chunks go in groups whose
  * packed keys fit. Returns 1 when G, D are past the kernel's bounds (D a multiple of LANES up to
  * MAX_D), 2 when a chunk runs past the cache, 3 when one does not fit the scratch.
@@ -25,6 +27,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DOT 1 /* bfloat16 storage: vdpbf16ps on the cache's own bits, see scores_dot */
+#else
+#define DOT 0
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -172,6 +180,56 @@ static inline __attribute__((always_inline)) void weigh(const float *p, const fl
     }
 }
 
+#if DOT
+/* The bfloat16 path. vdpbf16ps multiplies pairs of bfloat16 exactly and adds both products to a
+ * float32 lane: scores of the cache's bfloat16 keys and queries at float32 accuracy (the scale
+ * applied after, in float32), at twice the products per instruction. Keys are packed as pairs
+ * of dimensions ([D / 2, KB, 2] a block), values as pairs of keys ([entries / 2, D, 2]); the
+ * weights P are rounded to bfloat16 for P V, as torch's flash kernel rounds them for bfloat16. */
+static inline uint32_t pair_at(const uint16_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+/* s [MR, KB] = scale * q [MR, D] . k [D / 2, KB, 2] (bfloat16). */
+static inline void scores_dot(const uint16_t *q, const uint16_t *k, float *s, int D, float scale) {
+    __m512 acc[MR][NV];
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NV; c++) acc[m][c] = _mm512_setzero_ps();
+    for (int d = 0; d < D / 2; d++) {
+        __m512bh kv[NV];
+        for (int c = 0; c < NV; c++) kv[c] = (__m512bh)_mm512_loadu_si512(k + (d * KB + c * LANES) * 2);
+        for (int m = 0; m < MR; m++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair_at(q + m * D + 2 * d));
+            for (int c = 0; c < NV; c++) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], x, kv[c]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(s + m * KB + c * LANES, acc[m][c] * scale);
+}
+
+/* o [RV, D] = o * alpha + p [RV, KB] (bfloat16) . v [nb / 2, D, 2] (bfloat16), dv vectors of D at a time. */
+static inline __attribute__((always_inline)) void weigh_dot(const uint16_t *p, const float *alpha, const uint16_t *v,
+                                                            int nb, float *o, int D, const int dv) {
+    for (int d0 = 0; d0 < D; d0 += dv * LANES) {
+        __m512 acc[RV][DV];
+        for (int r = 0; r < RV; r++)
+            for (int c = 0; c < dv; c++) acc[r][c] = _mm512_loadu_ps(o + r * D + d0 + c * LANES) * alpha[r];
+        for (int j = 0; j < (nb + 1) / 2; j++) {
+            __m512bh vj[DV];
+            for (int c = 0; c < dv; c++) vj[c] = (__m512bh)_mm512_loadu_si512(v + (j * D + d0 + c * LANES) * 2);
+            for (int r = 0; r < RV; r++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair_at(p + r * KB + 2 * j));
+                for (int c = 0; c < dv; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, vj[c]);
+            }
+        }
+        for (int r = 0; r < RV; r++)
+            for (int c = 0; c < dv; c++) _mm512_storeu_ps(o + r * D + d0 + c * LANES, acc[r][c]);
+    }
+}
+#endif
+
 /* Vectors of an output row summed per pass of P V: the most, up to DV, that divide D's. */
 static int vectors_per_pass(int D) {
     int dv = DV;
@@ -179,29 +237,37 @@ static int vectors_per_pass(int D) {
     return dv;
 }
 
-/* One work item: the G * nt query rows q [R, D] (scaled; R a multiple of MR, rows past G * nt
- * zero) of nt tokens, token t at entry first + t, over entries [0, first + nt) of one KV head:
- * kt its keys packed by blocks [blocks, D, KB] (zero past the last), v its values [entries, D]
- * as float32. o [R, D]. */
-static void attend_item(const float *q, int R, int nt, int G, int D, const float *kt, const float *v,
-                        const uint8_t *valid, int64_t first, float *o) {
+/* One work item: the G * nt query rows q [R, D] (R a multiple of MR, rows past G * nt zero) of
+ * nt tokens, token t at entry first + t, over entries [0, first + nt) of one KV head: kt its keys
+ * packed by blocks (zero past the last), v its values. float32 (q scaled, kt [blocks, D, KB], v
+ * [entries, D]) or, with dot, bfloat16 as scores_dot and weigh_dot take them (q unscaled). o [R, D]. */
+static void attend_item(const void *q, int R, int nt, int G, int D, const void *kt, const void *v,
+                        const uint8_t *valid, int64_t first, float *o, int dot, float scale) {
     float s[MAX_R * KB], m[MAX_R], l[MAX_R], alpha[MAX_R], mb[MAX_R];
     const int64_t end = first + nt;
     const int dv = vectors_per_pass(D);
     for (int r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.f;
     memset(o, 0, sizeof(float) * R * D);
-    for (int64_t j0 = 0; j0 < end; j0 += KB, kt += D * KB) {
+    for (int64_t j0 = 0; j0 < end; j0 += KB) {
         const int nb = end - j0 < KB ? (int)(end - j0) : KB;
-        for (int r0 = 0; r0 < R; r0 += MR) scores(q + r0 * D, kt, s + r0 * KB, D);
+        const int64_t block = j0 * D; /* elements of packed keys before this block */
+#if DOT
+        if (dot)
+            for (int r0 = 0; r0 < R; r0 += MR)
+                scores_dot((const uint16_t *)q + r0 * D, (const uint16_t *)kt + block, s + r0 * KB, D, scale);
+        else
+#endif
+            for (int r0 = 0; r0 < R; r0 += MR) scores((const float *)q + r0 * D, (const float *)kt + block, s + r0 * KB, D);
+        float hole[KB]; /* 0, or -inf at a hole or past the keys: the same for every row */
         int holes = nb < KB;
-        for (int j = 0; j < nb; j++) holes |= !valid[j0 + j];
-        const int causal = j0 + KB - 1 > first; /* some key of the block is past the first token */
+        for (int j = 0; j < KB; j++) hole[j] = j < nb && valid[j0 + j] ? 0.f : -INFINITY;
+        for (int j = 0; j < KB; j++) holes |= hole[j] != 0.f;
         for (int r = 0; r < R; r++) { /* mask, then each row's largest score in the block */
             float *sr = s + r * KB;
+            if (holes)
+                for (int c = 0; c < NV; c++) store(sr + c * LANES, load(sr + c * LANES) + load(hole + c * LANES));
             const int64_t last = first + r / G - j0; /* the row's last visible key in the block */
-            if (holes || causal)
-                for (int j = 0; j < KB; j++)
-                    if (j > last || j >= nb || !valid[j0 + j]) sr[j] = -INFINITY;
+            for (int64_t j = last < 0 ? 0 : last + 1; j < KB; j++) sr[j] = -INFINITY;
             vf mv = load(sr);
             for (int c = 1; c < NV; c++) mv = vmax(mv, load(sr + c * LANES));
             mb[r] = hmax(mv);
@@ -221,7 +287,26 @@ static void attend_item(const float *q, int R, int nt, int G, int D, const float
             }
             l[r] = l[r] * alpha[r] + hsum(sum);
         }
-        const float *vj = v + j0 * D;
+#if DOT
+        if (dot) {
+            uint16_t p16[MAX_R * KB]; /* the weights rounded to bfloat16, nearest even */
+            for (int i = 0; i < R * KB; i += LANES)
+                _mm256_storeu_si256((__m256i *)(p16 + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+            const uint16_t *vj = (const uint16_t *)v + j0 * D;
+            for (int r0 = 0; r0 < R; r0 += RV) {
+                const uint16_t *pr = p16 + r0 * KB;
+                const float *ar = alpha + r0;
+                switch (dv) {
+                case 4: weigh_dot(pr, ar, vj, nb, o + r0 * D, D, 4); break;
+                case 3: weigh_dot(pr, ar, vj, nb, o + r0 * D, D, 3); break;
+                case 2: weigh_dot(pr, ar, vj, nb, o + r0 * D, D, 2); break;
+                default: weigh_dot(pr, ar, vj, nb, o + r0 * D, D, 1);
+                }
+            }
+            continue;
+        }
+#endif
+        const float *vj = (const float *)v + j0 * D;
         for (int r0 = 0; r0 < R; r0 += RV) {
             const float *pr = s + r0 * KB, *ar = alpha + r0;
             switch (dv) { /* constant vector counts: the loops unroll into registers */
@@ -261,6 +346,23 @@ static void attend_group(const void *q, int64_t q_stride, const void *K, const v
         float *kt = scratch + scratch_floats(chunks, c, Hkv, D) + 2 * h * padded * D, *vb = kt + padded * D;
         const uint8_t *live = valid + ch[1] * vcap;
         const size_t kv_at = (size_t)((ch[1] * Hkv + h) * cap) * D;
+        if (DOT && bf16) { /* bfloat16 as it is, in scores_dot's and weigh_dot's pairs */
+            static const uint16_t zeros[MAX_D];            /* what a hole or padding reads */
+            const uint16_t *K16 = (const uint16_t *)K + kv_at, *V16 = (const uint16_t *)V + kv_at;
+            uint16_t *k16 = (uint16_t *)kt, *v16 = (uint16_t *)vb;
+            for (int64_t j = 0; j < padded; j++) { /* a key's pairs of dimensions, KB keys apart */
+                const uint16_t *src = j < end && live[j] ? K16 + j * D : zeros;
+                uint16_t *dst = k16 + (j / KB) * D * KB + (j % KB) * 2;
+                for (int d = 0; d < D; d += 2) memcpy(dst + d * KB, src + d, 4);
+            }
+            for (int64_t j = 0; j < padded; j += 2) { /* two keys' values interleaved */
+                const uint16_t *a = j < end && live[j] ? V16 + j * D : zeros;
+                const uint16_t *b = j + 1 < end && live[j + 1] ? V16 + (j + 1) * D : zeros;
+                uint16_t *dst = v16 + j * D;
+                for (int d = 0; d < D; d++) dst[2 * d] = a[d], dst[2 * d + 1] = b[d];
+            }
+            continue;
+        }
         for (int64_t j = 0; j < padded; j++)
             for (int d = 0; d < D; d++) {
                 const size_t at = kv_at + j * D + d;
@@ -278,14 +380,18 @@ static void attend_group(const void *q, int64_t q_stride, const void *K, const v
         const int64_t padded = (ch[2] + ch[3] + KB - 1) / KB * KB;
         const int nt = ch[3] - t0 < QT ? (int)(ch[3] - t0) : QT, R = (nt * G + MR - 1) / MR * MR;
         float qf[MAX_R * MAX_D], of[MAX_R * MAX_D];
-        memset(qf + nt * G * D, 0, sizeof(float) * (R - nt * G) * D); /* padding rows: whole tiles */
-        for (int t = 0; t < nt; t++) /* the item's query rows, token-major, scaled */
+        uint16_t *q16 = (uint16_t *)qf; /* DOT: the bfloat16 rows as they are, unscaled */
+        const int dot = DOT && bf16;
+        if (dot) memset(q16 + nt * G * D, 0, sizeof(uint16_t) * (R - nt * G) * D);
+        else memset(qf + nt * G * D, 0, sizeof(float) * (R - nt * G) * D); /* padding rows: whole tiles */
+        for (int t = 0; t < nt; t++) /* the item's query rows, token-major */
             for (int e = 0; e < G * D; e++) {
                 const size_t at = (size_t)((ch[0] + t0 + t) * q_stride + h * G * D + e);
-                qf[t * G * D + e] = scale * (bf16 ? from_bf16(((const uint16_t *)q)[at]) : ((const float *)q)[at]);
+                if (dot) q16[t * G * D + e] = ((const uint16_t *)q)[at];
+                else qf[t * G * D + e] = scale * (bf16 ? from_bf16(((const uint16_t *)q)[at]) : ((const float *)q)[at]);
             }
         const float *kt = scratch + scratch_floats(chunks, c, Hkv, D) + 2 * h * padded * D;
-        attend_item(qf, R, nt, G, D, kt, kt + padded * D, valid + ch[1] * vcap, ch[2] + t0, of);
+        attend_item(qf, R, nt, G, D, kt, kt + padded * D, valid + ch[1] * vcap, ch[2] + t0, of, dot, scale);
         for (int t = 0; t < nt; t++)
             for (int e = 0; e < G * D; e++) {
                 const size_t at = (size_t)((ch[0] + t0 + t) * H + h * G) * D + e;
