@@ -2,7 +2,7 @@
 
   python scripts/chunk_attention_ab.py [--dtype float32 bfloat16] [--prefill 1x128 8x128 1x1024]
                                        [--append 1024+64] [--holes 0.1] [--rounds 7] [--threads 1]
-                                       [--model runs/smollm2] [--out FILE]
+                                       [--before REV] [--model runs/smollm2] [--out FILE]
 
 The kernel alone on SmolLM2-135M's shapes (30 layers, each its own cache of 3 KV heads of 64; 9
 query heads): fresh prompts, ``SESSIONSxTOKENS`` (SDPA: one causal call over the step's block of
@@ -10,13 +10,17 @@ equal-length prompts, as the runner makes it), and turns appended to rows with a
 ``--holes`` of their entries evicted, ``ENTRIES+TOKENS`` for 8 sessions (SDPA: the runner's masked
 call per session). Each round runs the 30 layers with both in turn (the order alternating); the
 JSON reports each one's median milliseconds, the kernel's speed-up and its GFLOP/s (the causal
-products' multiply-adds, twice). With ``--model``, whole prefills of the ``--prefill`` shapes in
-one engine with the kernel in use and without (SDPA), taking turns, both on the torch path's
-layers (``decode_layers.c``, which calls the kernel in the engine's default, off).
+products' multiply-adds, twice). ``--before REV`` adds the kernel as git revision REV had it
+(compiled beside this one) as a third arm, and its time over ours. With ``--model``, whole
+prefills of the ``--prefill`` shapes in one engine with the kernel in use and without (SDPA),
+taking turns, both on the torch path's layers (``decode_layers.c``, which calls the kernel in
+the engine's default, off).
 """
 
 import argparse
 import json
+import subprocess
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 
 from compactrl.bench.harness import in_ms, interleaved, machine_info, medians, toggled_prefills
 from compactrl.engine import Engine, EngineConfig
-from compactrl.engine.chunk_attention import ChunkAttention
+from compactrl.engine.chunk_attention import SOURCE, ChunkAttention, load_kernel
 from compactrl.engine.runner import Feed, _session_attention
 from compactrl.models.loading import load_model
 
@@ -33,8 +37,23 @@ LAYERS, HKV, G, D = 30, 3, 3, 64
 APPEND_SESSIONS = 8
 
 
-def kernel_alone(sessions: int, first: int, tokens: int, holes: float, dtype, rounds: int) -> dict:
-    """``sessions`` chunks of ``tokens`` after ``first`` entries each (``first`` 0: fresh prompts)."""
+def kernel_before(rev: str):
+    """The kernel as revision ``rev`` had it, compiled from that revision's source."""
+    relative = SOURCE.relative_to(SOURCE.parents[2])
+    text = subprocess.run(["git", "-C", str(SOURCE.parents[2]), "show", f"{rev}:{relative}"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / SOURCE.name
+    path.write_text(text)
+    lib = load_kernel(path)
+    if isinstance(lib, str):
+        raise SystemExit(f"the kernel of {rev} does not build: {lib}")
+    return lib
+
+
+def kernel_alone(sessions: int, first: int, tokens: int, holes: float, dtype, rounds: int,
+                 before=None) -> dict:  # fmt: skip
+    """``sessions`` chunks of ``tokens`` after ``first`` entries each (``first`` 0: fresh prompts);
+    ``before``: an earlier revision's compiled kernel, a third arm."""
     gen = torch.Generator().manual_seed(0)
     end, N = first + tokens, sessions * tokens
     shape = (sessions, HKV, end, D)
@@ -45,10 +64,15 @@ def kernel_alone(sessions: int, first: int, tokens: int, holes: float, dtype, ro
     out = torch.empty_like(q)
     chunks = torch.tensor([[s * tokens, s, first, tokens] for s in range(sessions)])
     kernel = ChunkAttention("kernel", "cpu", dtype, G, D)
+    earlier = ChunkAttention("kernel", "cpu", dtype, G, D)
+    earlier.lib = before
 
-    def ours():
-        for K, V in caches:
-            kernel(q, K, V, valid, chunks, out)
+    def run(k: ChunkAttention):
+        def layers():
+            for K, V in caches:
+                k(q, K, V, valid, chunks, out)
+
+        return layers
 
     qs = q.unflatten(0, (sessions, tokens)).transpose(1, 2)  # the runner's views of a block of prompts
     fresh = [[t[:, :, first:].transpose(1, 2).flatten(0, 1) for t in kv] for kv in caches]  # [N, Hkv, D]
@@ -65,12 +89,15 @@ def kernel_alone(sessions: int, first: int, tokens: int, holes: float, dtype, ro
                     heads = q[f.row * tokens : (f.row + 1) * tokens].transpose(0, 1)[None]
                     _session_attention(heads, kv, li, f)
 
-    ms = medians(interleaved({"kernel": in_ms(ours), "sdpa": in_ms(sdpa)}, rounds, alternate=True))
+    arms = {"kernel": in_ms(run(kernel)), "sdpa": in_ms(sdpa)}
+    if before:
+        arms["before"] = in_ms(run(earlier))
+    ms = medians(interleaved(arms, rounds, alternate=True))
     pairs = sum(first + t + 1 for t in range(tokens)) * sessions  # (query, key) pairs, holes included
     flop = LAYERS * 4 * HKV * G * D * pairs
     return {"sessions": sessions, "first": first, "tokens": tokens, "holes": holes if first else 0.0,
-            "ms": ms, "speed_up": ms["sdpa"] / ms["kernel"],
-            "kernel_gflop_per_s": flop / ms["kernel"] / 1e6}  # fmt: skip
+            "ms": ms, "speed_up": ms["sdpa"] / ms["kernel"], "kernel_gflop_per_s": flop / ms["kernel"] / 1e6,
+            **({"speed_up_vs_before": ms["before"] / ms["kernel"]} if before else {})}  # fmt: skip
 
 
 def prefills(model: str, sessions: int, tokens: int, rounds: int, dtype: str) -> dict:
@@ -96,6 +123,7 @@ def main() -> None:
     p.add_argument("--holes", type=float, default=0.1, help="fraction of an appended-to row evicted")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--before", default=None, help="git revision whose kernel is a third arm")
     p.add_argument("--model", default=None, help="also time whole prefills of this model (runs/smollm2)")
     p.add_argument("--out", default=None, help="write the JSON here")
     a = p.parse_args()
@@ -103,15 +131,17 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     shapes = [tuple(map(int, x.split("x"))) for x in a.prefill]
     appends = [tuple(map(int, x.split("+"))) for x in a.append]
-    settings = [kernel_alone(n, 0, t, 0.0, dtype, a.rounds) for n, t in shapes]
-    settings += [kernel_alone(APPEND_SESSIONS, e, t, a.holes, dtype, a.rounds) for e, t in appends]
+    before = kernel_before(a.before) if a.before else None
+    settings = [kernel_alone(n, 0, t, 0.0, dtype, a.rounds, before) for n, t in shapes]
+    settings += [kernel_alone(APPEND_SESSIONS, e, t, a.holes, dtype, a.rounds, before) for e, t in appends]
     for s in settings:
         print(f"{s['sessions']} x {s['tokens']} after {s['first']}: ms {s['ms']} "
-              f"speed-up {s['speed_up']:.2f}, {s['kernel_gflop_per_s']:.0f} GFLOP/s")  # fmt: skip
+              f"speed-up {s['speed_up']:.2f}, {s['kernel_gflop_per_s']:.0f} GFLOP/s"
+              + (f", {s['speed_up_vs_before']:.2f}x {a.before}'s" if before else ""))  # fmt: skip
     fills = [prefills(a.model, n, t, a.rounds, a.dtype) for n, t in shapes] if a.model else []
     for s in fills:
         print(f"prefill {s['sessions']}x{s['tokens']}: ms {s['ms']} speed-up {s['speed_up']:.2f}")
-    result = {"machine": machine_info(a.threads), "dtype": a.dtype, "rounds": a.rounds,
+    result = {"machine": machine_info(a.threads), "dtype": a.dtype, "rounds": a.rounds, "before": a.before,
               "settings": settings, "model": a.model, "prefills": fills}  # fmt: skip
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

