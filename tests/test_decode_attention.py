@@ -44,7 +44,7 @@ def reference(q, K, V, valid, rows, lens):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-def test_kernel_is_attention_over_the_valid_entries_and_never_reads_a_hole(dtype, tol):
+def test_kernel_is_attention_over_the_valid_entries_and_never_weighs_a_hole(dtype, tol):
     K, V, valid, lens = holed_cache(dtype)
     rows = torch.tensor([4, 0, 2, 5, 1])  # scattered, out of order
     lens = lens[rows]
