@@ -260,9 +260,11 @@ static inline __attribute__((always_inline)) void attend_item(const void *q, int
 #endif
             for (int r0 = 0; r0 < R; r0 += MR) scores((const float *)q + r0 * D, (const float *)kt + block, s + r0 * KB, D);
         float hole[KB]; /* 0, or -inf at a hole or past the keys: the same for every row */
-        int holes = nb < KB;
-        for (int j = 0; j < KB; j++) hole[j] = j < nb && valid[j0 + j] ? 0.f : -INFINITY;
-        for (int j = 0; j < KB; j++) holes |= hole[j] != 0.f;
+        int holes = 0;
+        for (int j = 0; j < KB; j++) {
+            hole[j] = j < nb && valid[j0 + j] ? 0.f : -INFINITY;
+            holes |= hole[j] != 0.f;
+        }
         for (int r = 0; r < R; r++) { /* mask, then each row's largest score in the block */
             float *sr = s + r * KB;
             if (holes)
