@@ -2,6 +2,7 @@
 
   python scripts/decode_ab.py --before 8a6b94b [--size small | --model runs/smollm2] [--batch 8]
                               [--context 128] [--new-tokens 64] [--rounds 5] [--threads 1]
+                              [--dtype float32]
 
 Both trees prefill and decode the same batch (``--batch`` sessions of ``--context`` random prompt
 tokens, ``--new-tokens`` each, no evictor) in subprocesses that take turns, ``--rounds`` times
@@ -24,14 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = """
 import json, sys, time, torch
 size, threads, batch, context, new = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])
+dtype = sys.argv[6]
 torch.set_num_threads(threads)
 from compactrl.engine import Engine, EngineConfig, SamplingParams
 if size.startswith("model="):
     from compactrl.models.loading import load_model
-    lm = load_model(size[len("model="):])
+    lm = load_model(size[len("model="):], dtype=dtype)
 else:
     from compactrl.models.tiny import init_random, tiny_config
     lm = init_random(tiny_config("qwen3", vocab_size=300, size=size, eos_token_id=[1]), seed=0).eval()
+    lm = lm.to(getattr(torch, dtype))
 vocab = lm.config.vocab_size
 config = EngineConfig(kv_pool_tokens=batch * (context + new + 8), max_step_tokens=max(2048, context))
 eng = Engine(lm, None, config)
@@ -58,6 +61,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
@@ -66,7 +70,7 @@ def main() -> None:
         try:
             rates: dict[str, list[list[float]]] = {"before": [], "now": []}
             model = f"model={Path(a.model).resolve()}" if a.model else a.size
-            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens)]
+            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens), a.dtype]
             for r in range(a.rounds):
                 order = [("before", before), ("now", ROOT)]
                 for name, tree in order if r % 2 == 0 else order[::-1]:
@@ -78,8 +82,9 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=True)
     pre, dec = ({k: statistics.median(r[i] for r in v) for k, v in rates.items()} for i in (0, 1))
     print(json.dumps({
-        "before": a.before, "model": a.model or a.size, "batch": a.batch, "context": a.context,
-        "new_tokens": a.new_tokens, "threads": a.threads, "cores": os.cpu_count(), "rounds": a.rounds,
+        "before": a.before, "model": a.model or a.size, "dtype": a.dtype, "batch": a.batch,
+        "context": a.context, "new_tokens": a.new_tokens, "threads": a.threads,
+        "cores": os.cpu_count(), "rounds": a.rounds,
         "cpu": platform.processor() or platform.machine(),
         "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
         "decode_now_vs_before": dec["now"] / dec["before"],

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from compactrl.models import UnsupportedModelError, decoder, load_model, save_model
@@ -115,6 +116,18 @@ def test_bfloat16_is_close_to_float32(tmp_path):
         lp = torch.log_softmax(bf16(ids, pos).float(), -1)
     assert (lp - f32).abs().max() < 0.25
     assert (lp - f32).abs().max() > 0  # it really ran in bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_weights_start_on_a_cache_line(tmp_path, dtype):
+    """The kernels stream weights in 64-byte vectors; safetensors hands out tensors at the file's
+    byte offsets (the control below), so loading must copy them onto aligned storage."""
+    write(tmp_path, "qwen3")
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as sf:
+        raw = {sf.get_tensor(n).data_ptr() % 64 for n in sf.keys()}
+    assert raw != {0}  # the control: as read, some tensor starts mid cache line
+    lm = load_model(tmp_path, dtype=dtype)
+    assert {p.data_ptr() % 64 for p in lm.parameters()} == {0}
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
