@@ -68,17 +68,28 @@ def _profile(result: str) -> str:
 
 def _decode_ab(result: str) -> str:
     """`scripts/decode_ab.py` results (a list, one per setting): each tree's median tokens/s, the
-    ratio, and the spread of its rounds."""
+    ratio, and the spread of its rounds; for the ``sessions`` workload, what both trees did in it
+    (preemptions, tokens re-prefilled and evicted: the same work, or the ratio would mean nothing)."""
     from compactrl.bench.harness import markdown_table
 
+    results = json.loads(Path(result).read_text())
+    sessions = any(r.get("workload") == "sessions" for r in results)
     rows = []
-    for r in json.loads(Path(result).read_text()):
+    for r in results:
         d, spread = r["decode_tokens_per_s"], {k: [x[1] for x in v] for k, v in r["runs"].items()}
-        rows.append([r["batch"], r["context"], *(f"{d[k]:.1f} ({min(spread[k]):.1f}-{max(spread[k]):.1f})"
-                                                 for k in ("before", "now")),
-                     f"{r['decode_now_vs_before']:.2f}", f"{r['prefill_now_vs_before']:.2f}"])  # fmt: skip
-    heads = ["batch", "context", "decode before tok/s (rounds)", "decode now tok/s (rounds)"]
-    return markdown_table([*heads, "decode now / before", "prefill now / before"], rows)
+        row = [r.get("dtype", "float32"), r["batch"], r["context"],
+               *(f"{d[k]:.1f} ({min(spread[k]):.1f}-{max(spread[k]):.1f})" for k in ("before", "now")),
+               f"{r['decode_now_vs_before']:.2f}", f"{r['prefill_now_vs_before']:.2f}"]  # fmt: skip
+        if sessions:
+            work = {json.dumps(x[2], sort_keys=True) for v in r["runs"].values() for x in v}
+            w = json.loads(work.pop()) if len(work) == 1 else None
+            row.append(f"{w['preemptions']}, {w['reprefilled_tokens']}, {w['evicted_tokens']}" if w else "differ")
+        rows.append(row)
+    heads = ["dtype", "batch", "context", "decode before tok/s (rounds)", "decode now tok/s (rounds)"]
+    heads += ["decode now / before", "prefill now / before"]
+    if sessions:
+        heads.append("preemptions, re-prefilled, evicted tokens (both trees)")
+    return markdown_table(heads, rows)
 
 
 def _attention(result: str) -> str:

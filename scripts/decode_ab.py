@@ -36,18 +36,28 @@ else:
     lm = init_random(tiny_config("qwen3", vocab_size=300, size=size, eos_token_id=[1]), seed=0).eval()
     lm = lm.to(getattr(torch, dtype))
 vocab = lm.config.vocab_size
-config = EngineConfig(kv_pool_tokens=batch * (context + new + 8), max_step_tokens=max(2048, context))
-eng = Engine(lm, None, config)
+sessions = sys.argv[7] == "sessions"
+# sessions: a fork of every other session doubles them, and the pool holds 3/4 of what their
+# prompts and budgets need at once, so the scheduler preempts and re-prefills some of them
+pool = (3 * batch * (context // 2 + new)) // 2 if sessions else batch * (context + new + 8)
+eng = Engine(lm, None, EngineConfig(kv_pool_tokens=pool, max_step_tokens=max(2048, context)))
 ss = [eng.session() for _ in range(batch)]
 t = time.perf_counter()
 for k, s in enumerate(ss):
     s.append([(7 * k + 13 * i) % (vocab - 10) + 5 for i in range(context)])
 eng.run()
 prefill = batch * context / (time.perf_counter() - t)
+if sessions:  # token evictors (SnapKV and H2O in turn) keeping half the prompt, and forks
+    from compactrl.compaction.evictors import H2O, SnapKV
+    ss += [s.fork() for s in ss[::2]]
+    for k, s in enumerate(ss):
+        s.use_evictor((SnapKV if k % 2 else H2O)(budget=context // 2, window=8, interval=16))
 gens = [s.generate(SamplingParams(max_tokens=new, seed=k, ignore_eos=True)) for k, s in enumerate(ss)]
 t = time.perf_counter()
 eng.run()
-print(json.dumps([prefill, batch * new / (time.perf_counter() - t)]))
+m = eng.metrics()
+print(json.dumps([prefill, len(ss) * new / (time.perf_counter() - t),
+                  {k: m[k] for k in ("preemptions", "reprefilled_tokens", "evictions", "evicted_tokens")}]))
 """
 
 
@@ -62,6 +72,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--workload", default="plain", choices=["plain", "sessions"],
+                   help="sessions: token evictors, forks and a pool that forces preemption")  # fmt: skip
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
@@ -70,7 +82,7 @@ def main() -> None:
         try:
             rates: dict[str, list[list[float]]] = {"before": [], "now": []}
             model = f"model={Path(a.model).resolve()}" if a.model else a.size
-            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens), a.dtype]
+            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens), a.dtype, a.workload]
             for r in range(a.rounds):
                 order = [("before", before), ("now", ROOT)]
                 for name, tree in order if r % 2 == 0 else order[::-1]:
@@ -82,7 +94,7 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=True)
     pre, dec = ({k: statistics.median(r[i] for r in v) for k, v in rates.items()} for i in (0, 1))
     print(json.dumps({
-        "before": a.before, "model": a.model or a.size, "dtype": a.dtype, "batch": a.batch,
+        "before": a.before, "model": a.model or a.size, "dtype": a.dtype, "workload": a.workload, "batch": a.batch,
         "context": a.context, "new_tokens": a.new_tokens, "threads": a.threads,
         "cores": os.cpu_count(), "rounds": a.rounds,
         "cpu": platform.processor() or platform.machine(),

@@ -51,6 +51,17 @@ if python -c "from compactrl.engine.linear import load_panel_gemm_bf16 as f; rai
   python scripts/panel_gemm_ab.py --rows 128 --batch --dtype bfloat16 --model runs/smollm2 --out docs/engine_swiglu_bf16.json
 fi
 python scripts/decode_layers_ab.py --model runs/smollm2 --batch 64 --context 128 --out docs/engine_decode_layers_b64.json
+# sessions with token evictors, forks and preemption: this tree against the engine before the
+# C kernels (c23ef3a), 8 sessions + 4 forks in a pool that holds 3/4 of what they need
+ab=$(mktemp -d)
+for setting in float32:128:5 bfloat16:128:5 float32:1024:3 bfloat16:1024:3; do
+  IFS=: read -r dtype context rounds <<< "$setting"
+  python scripts/decode_ab.py --before c23ef3a --model runs/smollm2 --workload sessions --batch 8 \
+    --context "$context" --new-tokens 32 --rounds "$rounds" --dtype "$dtype" > "$ab/$setting.json"
+done
+python -c 'import json, sys; print(json.dumps([json.load(open(f)) for f in sys.argv[1:]], indent=1))' \
+  "$ab"/float32:128:5.json "$ab"/bfloat16:128:5.json "$ab"/float32:1024:3.json "$ab"/bfloat16:1024:3.json \
+  > docs/engine_sessions_ab.json
 if [ -f "$traces" ]; then
   compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null
 else
@@ -61,5 +72,7 @@ fi
 tw=runs/tw_smollm2_8
 [ -f "$tw/traces.jsonl" ] || compactrl rollout configs/rollout/textworld_smollm2.toml --set threads=1 \
   --set episodes=8 --set concurrency=8 --set out="$tw" > /dev/null
+# the engine's logged log-probs of those rollouts against the trainer's one-pass forward
+compactrl verify run "$tw" --json > docs/engine_verify_run.json
 compactrl bench trainer-hf --model runs/smollm2 --traces "$tw/traces.jsonl" --precision bfloat16 --json \
   --out docs/engine_speed_trainer_hf_bf16.json > /dev/null
