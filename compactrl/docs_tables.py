@@ -83,7 +83,8 @@ def _decode_ab(result: str) -> str:
         if sessions:
             work = {json.dumps(x[2], sort_keys=True) for v in r["runs"].values() for x in v}
             w = json.loads(work.pop()) if len(work) == 1 else None
-            row.append(f"{w['preemptions']}, {w['reprefilled_tokens']}, {w['evicted_tokens']}" if w else "differ")
+            done = ("preemptions", "reprefilled_tokens", "evicted_tokens")
+            row.append(", ".join(str(w[k]) for k in done) if w else "differ")
         rows.append(row)
     heads = ["dtype", "batch", "context", "decode before tok/s (rounds)", "decode now tok/s (rounds)"]
     heads += ["decode now / before", "prefill now / before"]
@@ -108,15 +109,21 @@ def _attention(result: str) -> str:
 
 
 def _chunk_attention(result: str) -> str:
-    """`scripts/chunk_attention_ab.py`: prompt chunks' attention over 30 layers, the kernel against SDPA."""
+    """`scripts/chunk_attention_ab.py`: prompt chunks' attention over 30 layers, the kernel against
+    SDPA (and against an earlier revision's kernel, where the run had ``--before``)."""
     from compactrl.bench.harness import markdown_table
 
     r = json.loads(Path(result).read_text())
+    before = r.get("before")
     rows = [[r["dtype"], s["sessions"], s["first"], f"{s['holes']:.0%}", s["tokens"],
              *(f"{s['ms'][k]:.1f}" for k in ("sdpa", "kernel")), f"{s['speed_up']:.2f}",
-             f"{s['kernel_gflop_per_s']:.0f}"] for s in r["settings"]]  # fmt: skip
+             f"{s['kernel_gflop_per_s']:.0f}",
+             *([f"{s['ms']['before']:.1f}", f"{s['speed_up_vs_before']:.2f}"] if before else [])]
+            for s in r["settings"]]  # fmt: skip
     heads = ["dtype", "sessions", "entries before", "of them evicted", "chunk tokens", "SDPA ms", "kernel ms"]
-    return markdown_table([*heads, "kernel speed-up", "kernel GFLOP/s"], rows)
+    heads += ["kernel speed-up", "kernel GFLOP/s"]
+    heads += [f"{before} ms", f"speed-up over {before}"] if before else []
+    return markdown_table(heads, rows)
 
 
 def _gemv(result: str) -> str:

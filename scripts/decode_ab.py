@@ -2,13 +2,17 @@
 
   python scripts/decode_ab.py --before 8a6b94b [--size small | --model runs/smollm2] [--batch 8]
                               [--context 128] [--new-tokens 64] [--rounds 5] [--threads 1]
-                              [--dtype float32]
+                              [--dtype float32] [--workload plain | sessions]
 
 Both trees prefill and decode the same batch (``--batch`` sessions of ``--context`` random prompt
 tokens, ``--new-tokens`` each, no evictor) in subprocesses that take turns, ``--rounds`` times
-each; the JSON reports each tree's median tokens/s and their ratios. Used to check that sessions
-without a token evictor decode as fast as before the evictor hooks existed (8a6b94b), and to
-measure each engine change alone (e.g. the oneDNN GEMMs: ``--before 65bead3 --model runs/smollm2``).
+each; the JSON reports each tree's median tokens/s and their ratios. ``--workload sessions`` adds
+what agents' sessions do: a fork of every other session, a token evictor on each (H2O and SnapKV
+in turn, keeping half the prompt) and a pool too small for all of them, so sessions are preempted
+and re-prefilled; each round records the preemptions and evictions, equal for equal work. Used
+to check that sessions without a token evictor decode as fast as before the evictor hooks
+existed (8a6b94b), and to measure each engine change alone (e.g. the oneDNN GEMMs: ``--before
+65bead3 --model runs/smollm2``).
 """
 
 import argparse
@@ -37,8 +41,8 @@ else:
     lm = lm.to(getattr(torch, dtype))
 vocab = lm.config.vocab_size
 sessions = sys.argv[7] == "sessions"
-# sessions: a fork of every other session doubles them, and the pool holds 3/4 of what their
-# prompts and budgets need at once, so the scheduler preempts and re-prefills some of them
+# sessions: every other session forked (1.5 x batch), a pool of budget + new tokens each, which
+# the prompts the forks share while their evictors cut them down overrun: the scheduler preempts
 pool = (3 * batch * (context // 2 + new)) // 2 if sessions else batch * (context + new + 8)
 eng = Engine(lm, None, EngineConfig(kv_pool_tokens=pool, max_step_tokens=max(2048, context)))
 ss = [eng.session() for _ in range(batch)]
@@ -82,7 +86,8 @@ def main() -> None:
         try:
             rates: dict[str, list[list[float]]] = {"before": [], "now": []}
             model = f"model={Path(a.model).resolve()}" if a.model else a.size
-            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens), a.dtype, a.workload]
+            args = [model, str(a.threads), str(a.batch), str(a.context), str(a.new_tokens)]
+            args += [a.dtype, a.workload]
             for r in range(a.rounds):
                 order = [("before", before), ("now", ROOT)]
                 for name, tree in order if r % 2 == 0 else order[::-1]:
@@ -94,8 +99,8 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=True)
     pre, dec = ({k: statistics.median(r[i] for r in v) for k, v in rates.items()} for i in (0, 1))
     print(json.dumps({
-        "before": a.before, "model": a.model or a.size, "dtype": a.dtype, "workload": a.workload, "batch": a.batch,
-        "context": a.context, "new_tokens": a.new_tokens, "threads": a.threads,
+        "before": a.before, "model": a.model or a.size, "dtype": a.dtype, "workload": a.workload,
+        "batch": a.batch, "context": a.context, "new_tokens": a.new_tokens, "threads": a.threads,
         "cores": os.cpu_count(), "rounds": a.rounds,
         "cpu": platform.processor() or platform.machine(),
         "prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
