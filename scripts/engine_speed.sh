@@ -54,7 +54,7 @@ if python -c "from compactrl.engine.linear import load_panel_gemm_bf16 as f; rai
 fi
 python scripts/decode_layers_ab.py --model runs/smollm2 --batch 64 --context 128 --out docs/engine_decode_layers_b64.json
 # sessions with token evictors, forks and preemption: this tree against the engine before the
-# C kernels (c23ef3a), 8 sessions + 4 forks in a pool that holds 3/4 of what they need
+# C kernels (c23ef3a): 8 sessions + 4 forks, H2O / SnapKV evictors, a pool they overrun
 ab=$(mktemp -d)
 for setting in float32:128:5 bfloat16:128:5 float32:1024:3 bfloat16:1024:3; do
   IFS=: read -r dtype context rounds <<< "$setting"
