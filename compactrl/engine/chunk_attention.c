@@ -99,9 +99,7 @@ static inline float hsum(vf v) {
     return v[0];
 }
 
-/* e^x for x <= 0 on vectors, as decode_attention.c computes it for one float (2 float32 ulps
- * against float64 for x >= -20): e^x = 2^n e^r, n = round(x / ln 2), e^r by its Taylor series to
- * r^7; -inf (a masked score) gives exactly 0. */
+/* e^r for |r| <= ln(2) / 2: its Taylor series to r^7. */
 static inline vf taylor7(vf r) {
     vf p = r * (1.f / 5040) + 1.f / 720;
     p = p * r + 1.f / 120;
@@ -112,9 +110,12 @@ static inline vf taylor7(vf r) {
     return p * r + 1.f;
 }
 
+/* e^x for x <= 0 on vectors, as decode_attention.c computes it for one float (2 float32 ulps
+ * against float64 for x >= -20): e^x = 2^n e^r, n = round(x / ln 2), e^r by taylor7; -inf (a
+ * masked score) gives exactly 0. AVX-512 rounds n and scales by 2^n in one instruction each
+ * (vrndscaleps, vscalefps) and zeroes masked lanes with the scaling: half the instructions of
+ * the portable version below. */
 #if defined(__AVX512F__)
-/* AVX-512 rounds n and scales by 2^n in one instruction each (vrndscaleps, vscalefps) and zeroes
- * masked lanes with the scaling: half the instructions of the portable version below. */
 static inline vf exp_nonpositive(vf v) {
     const __mmask16 visible = _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
     const __m512 x = _mm512_min_ps(_mm512_max_ps((__m512)v, _mm512_set1_ps(-87.f)), _mm512_setzero_ps());
