@@ -35,7 +35,7 @@ def panel_gemm(lin: Linears, x: torch.Tensor, w: torch.Tensor, bias=None) -> tor
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 32, 133])  # whole and partial 6-row tiles
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 32, 133])  # whole and partial tiles of 6 and 8 rows
 @pytest.mark.parametrize("n_out,n_in", [(37, 5), (16, 576), (301, 1000)])  # partial and whole panels
 def test_panel_products_are_the_float64_product(rows, n_out, n_in):
     g = torch.Generator().manual_seed(rows * n_in)
@@ -162,7 +162,7 @@ def swiglu_weights(F: int, K: int, dtype, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 7, 133])
-@pytest.mark.parametrize("F", [32, 1536])  # two panels or more, SmolLM2's intermediate size
+@pytest.mark.parametrize("F", [40, 48, 1536])  # a partly padded last panel, whole panels, SmolLM2's size
 def test_swiglu_epilogue_is_silu_of_gate_times_up(rows, F):
     gate, up = swiglu_weights(F, 576, torch.float32)
     x = torch.randn(rows, 576)
@@ -178,16 +178,17 @@ def test_swiglu_epilogue_is_silu_of_gate_times_up(rows, F):
 
 @needs_bf16_kernel
 @pytest.mark.parametrize("rows", [2, 9, 133])
-def test_bfloat16_swiglu_epilogue_rounds_where_torch_rounds(rows):
+@pytest.mark.parametrize("F", [40, 1536])  # a partly padded last panel, SmolLM2's intermediate size
+def test_bfloat16_swiglu_epilogue_rounds_where_torch_rounds(rows, F):
     """SiLU(gate) * up from the kernel against the torch path on the kernel's own rounded gate and
     up: equal but where SiLU's float32 value sits within an ulp of a bfloat16 rounding boundary
     (its exp differs from torch's in the last float32 bits)."""
-    gate, up = swiglu_weights(1536, 576, torch.bfloat16)
+    gate, up = swiglu_weights(F, 576, torch.bfloat16)
     x = torch.randn(rows, 576).bfloat16()
     lin = Linears(lm(dtype=torch.bfloat16), "auto")
     width = lin.panel_width_bf16
-    out = lin.on_panels(x, panels(torch.cat([gate, up]), width, True), 3072, None, torch.bfloat16, True)
-    g, u = (lin.on_panels(x, panels(w, width), 1536, None, torch.bfloat16) for w in (gate, up))
+    out = lin.on_panels(x, panels(torch.cat([gate, up]), width, True), 2 * F, None, torch.bfloat16, True)
+    g, u = (lin.on_panels(x, panels(w, width), F, None, torch.bfloat16) for w in (gate, up))
     want = torch.nn.functional.silu(g) * u
     assert out.dtype == torch.bfloat16 and out.shape == want.shape
     assert (out != want).float().mean() < 1e-3

@@ -53,8 +53,6 @@ def unsupported(model: CausalLM, linears: Linears, attention: DecodeAttention) -
         return "it needs the decode attention, gemv and panel GEMM kernels (they did not build here)"
     if not all(linears._width(p.dtype, n) for n in (c.hidden_size, c.intermediate_size)):
         return "the panel GEMM takes even layer widths in bfloat16"
-    if c.intermediate_size % (linears._width(p.dtype, c.hidden_size) // 2):
-        return "it runs SwiGLU in the panel GEMM, whose panels the intermediate size must fill"
     if c.qk_norm or c.head_dim % 2:
         return "q/k-norm models and odd head sizes run the torch path"
     for layer in model.model.layers:

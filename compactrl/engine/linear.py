@@ -82,11 +82,13 @@ def panels(weight: torch.Tensor, width: int, swiglu: bool = False) -> torch.Tens
     """``weight [N, K]`` as ``panel_gemm.c`` reads it: ``[ceil(N / width), K, width]``, zero-padded;
     bfloat16 as ``panel_gemm_bf16.c`` reads it, by pairs of k: ``[ceil(N / width), K / 2, width, 2]``.
     ``swiglu``: ``weight`` is gate and up stacked, each panel gets half a panel of each (the same
-    features), for the kernels' SiLU(gate) * up epilogue."""
+    features; each zero-padded to whole half panels), for the kernels' SiLU(gate) * up epilogue."""
     n, k = weight.shape
     if swiglu:
-        weight = weight.view(2, n // width, width // 2, k).transpose(0, 1).reshape(n, k)
-    w = F.pad(weight, (0, 0, 0, -n % width))
+        half = width // 2
+        gate_up = torch.stack([F.pad(w, (0, 0, 0, -(n // 2) % half)) for w in weight.chunk(2)])
+        weight = gate_up.view(2, -1, half, k).transpose(0, 1).reshape(-1, k)
+    w = F.pad(weight, (0, 0, 0, -weight.shape[0] % width))
     if weight.dtype == torch.bfloat16:
         return w.view(-1, width, k // 2, 2).transpose(1, 2).contiguous()
     return w.view(-1, width, k).transpose(1, 2).contiguous()
@@ -222,12 +224,10 @@ class Linears:
 
     def fuses_swiglu(self, mlp: nn.Module, dtype: torch.dtype) -> bool:
         """Whether ``mlp``'s gate and up run as one panel GEMM on ``dtype`` inputs with SiLU(gate) * up
-        computed in its epilogue: a panel kernel for ``dtype``, plain layers without bias, an
-        intermediate size that fills whole panels."""
+        computed in its epilogue: a panel kernel for ``dtype``, plain layers without bias."""
         gate, up = mlp.gate_proj, mlp.up_proj
-        width = self._width(dtype, gate.in_features)
         plain = type(gate) is type(up) is nn.Linear and gate.bias is None and up.bias is None
-        return bool(width) and plain and gate.out_features % (width // 2) == 0
+        return bool(self._width(dtype, gate.in_features)) and plain
 
     @torch.no_grad()
     def _stack(self, layers: tuple[nn.Linear, ...], dtype: torch.dtype, swiglu: bool = False):
