@@ -855,6 +855,16 @@ def test_forks_train_spliced_into_their_main_trace_in_one_forward(setup, mode, p
     assert all((a - b).abs().max() <= 1e-5 * b.abs().max() for a, b in zip(g1, g2, strict=True))
     for lp, t in zip(one, traces, strict=True):  # engine == trainer, forks included
         assert np.abs(lp.detach().double().numpy()[t.trainable] - t.logprobs[t.trainable]).max() < 5e-5
+    # the head on wanted rows only (the trainer's trained tokens): the same log-probs there, 0
+    # elsewhere, the same gradients; forks want their whole shared prefix, which the main's rows give
+    want = [np.ones(len(t), bool) if t.meta.get("fork_at") else t.trainable for t in traces]
+    model.zero_grad()
+    some = stream_logprobs(model, traces, wanted=want)
+    sum(lp[torch.as_tensor(t.trainable)].sum() for lp, t in zip(some, traces, strict=True)).backward()
+    for a, b, w in zip(some, one, want, strict=True):
+        assert float((a - b).detach()[torch.as_tensor(w) | (a != 0)].abs().max()) < 1e-5
+    assert any((b[a == 0] != 0).any() for a, b in zip(some, one, strict=True))  # rows were left out
+    assert all((p.grad - g).abs().max() <= 1e-5 * g.abs().max() for p, g in zip(params, g1, strict=True))
     # negative control: a fork block left visible changes what the main thread after it sees
     s = ss[0]
     s.evict_at[s.thread] = len(s)

@@ -13,7 +13,7 @@ from compactrl.trace import Trace, save_traces
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from compactrl.bench.trainer_hf import eviction_mask, hf_logprobs, lora_pair, run_trainer_hf_bench  # noqa: E402
+from compactrl.bench.trainer_hf import eviction_mask, hf_logprobs, lora_pair, markdown, run_trainer_hf_bench  # noqa: E402
 from compactrl.cli import app  # noqa: E402
 from compactrl.models.tiny import write_tiny_model  # noqa: E402
 
@@ -38,6 +38,7 @@ def test_ours_and_hf_agree_and_a_causal_mask_does_not(bench_inputs):
     assert r["max_rel_lora_grad_diff"] < 1e-3
     assert r["causal_mask_diff"] > 1e-3  # negative control: the evictions change the log-probs
     assert r["ours_s"] > 0 and r["hf_s"] > 0 and r["ours_vs_hf"] > 0 and r["hf_tokens_per_s"] > 0
+    assert r["every_row"]["ours_s"] > 0 and r["every_row"]["hf_s"] > 0 and "every row" in markdown(r)
     assert r["lora"]["r"] == 4 and r["lora"]["alpha"] == 8 and len(r["lora"]["targets"]) == 7
     json.dumps(r)
 
@@ -53,6 +54,10 @@ def test_the_4d_mask_is_used_as_given(bench_inputs):
         evicted = hf_logprobs(hf, ids, eviction_mask(torch.tensor([40] + [10] * 9 + [40] * 30)))
     assert (full[1:] - own[:, 0]).abs().max() < 1e-5
     assert (full[11:] - evicted[11:]).abs().max() > 1e-3
+    trained = torch.arange(40) % 3 == 1  # the head on the rows predicting these alone
+    with torch.no_grad():
+        some = hf_logprobs(hf, ids, eviction_mask(torch.full((40,), 40)), trained)
+    assert (some[trained] - full[trained]).abs().max() < 1e-5 and not some[~trained].any()
 
 
 def test_cli_bad_input_names_the_problem(bench_inputs, tmp_path):
@@ -75,8 +80,6 @@ def test_cli_bad_input_names_the_problem(bench_inputs, tmp_path):
 def test_bfloat16_arms_against_their_float32(bench_inputs):
     """In bfloat16 both arms move away from float32 (rounding shows) but not far and keep the
     gradient's direction; the float32 checks still gate and our float32 arm is timed beside them."""
-    from compactrl.bench.trainer_hf import markdown
-
     model, traces = bench_inputs
     r = run_trainer_hf_bench(model, traces, lora_r=4, n_traces=2, repeats=1, chunk=32, precision="bfloat16")
     assert r["dtype"] == "bfloat16" and r["same_values"]  # the float32 checks still run and gate
@@ -85,7 +88,8 @@ def test_bfloat16_arms_against_their_float32(bench_inputs):
         assert 1e-4 < d[arm]["mean_abs_logprob_diff"] <= d[arm]["max_abs_logprob_diff"] < 0.5
         assert d[arm]["min_lora_grad_cosine"] > 0.9
     assert r["no_less_exact"] == (d["ours"]["mean_abs_logprob_diff"] <= d["hf"]["mean_abs_logprob_diff"])
-    assert set(r["runs_s"]) == {"ours", "hf", "ours_float32"} and r["ours_float32_s"] > 0
+    assert set(r["runs_s"]) == {"ours", "hf", "ours_every_row", "hf_every_row", "ours_float32"}
+    assert r["ours_float32_s"] > 0
     assert r["bfloat16_speedup"] == pytest.approx(r["ours_float32_s"] / r["ours_s"])
     assert "time, bfloat16 / float32" in markdown(r) and "causal" not in markdown(r)
     with pytest.raises(ValueError, match="float16"):

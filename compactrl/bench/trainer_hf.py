@@ -5,7 +5,10 @@ having over the obvious alternative: a Hugging Face model with peft LoRA, fed th
 with a dense 4-D eviction mask through SDPA. Both arms load the same checkpoint in float32, get
 identical LoRA adapters (the same random, non-zero A and B: peft starts B at 0, where the
 adapters do nothing and A gets no gradient), and train on the same real stream traces: forward,
-``loss = -sum(log-probs of the policy tokens)``, backward into the adapters.
+``loss = -sum(log-probs of the policy tokens)``, backward into the adapters. The loss reads the
+trained tokens only, so both arms run the head on the rows that predict them (ours as its trainer
+does, ``stream_logprobs(..., wanted=trainable)``; transformers through ``logits_to_keep``); each
+arm is also timed with the head over every row (``model(...).logits``, the usual way to write it).
 
 Before anything is timed the arms must agree: per-token log-probs to ``TOLERANCE`` and the LoRA
 gradients to float32 accuracy, and, as a negative control, the HF arm under a plain causal mask
@@ -64,13 +67,20 @@ def eviction_mask(evict_at: torch.Tensor) -> torch.Tensor:
     return torch.zeros(T, T, device=evict_at.device).masked_fill(~seen, float("-inf"))[None, None]
 
 
-def hf_logprobs(hf: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``out[i] = log p(tokens[i] | what query i-1 saw)``, ``out[0] = 0``: stream_logprobs' convention."""
+def hf_logprobs(
+    hf: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, trained: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[i] = log p(tokens[i] | what query i-1 saw)``, ``out[0] = 0``: stream_logprobs' convention.
+    ``trained`` (bool ``[T]``): logits only on the rows that predict those tokens (0 elsewhere)."""
     T = len(tokens)
     pos = torch.arange(T, device=tokens.device)[None]
-    logits = hf(input_ids=tokens[None], position_ids=pos, attention_mask=mask, use_cache=False).logits[0]
-    lp = torch.log_softmax(logits[:-1].float(), -1).gather(1, tokens[1:, None])[:, 0]
-    return torch.cat([lp.new_zeros(1), lp])
+    at = torch.arange(1, T, device=tokens.device) if trained is None else trained[1:].nonzero()[:, 0] + 1
+    keep = at - 1 if trained is not None else 0  # transformers: 0 keeps every row
+    out = hf(input_ids=tokens[None], position_ids=pos, attention_mask=mask, use_cache=False,
+             logits_to_keep=keep)  # fmt: skip
+    logits = out.logits[0] if trained is not None else out.logits[0, :-1]
+    lp = torch.log_softmax(logits.float(), -1).gather(1, tokens[at, None])[:, 0]
+    return lp.new_zeros(T).index_put((at,), lp)
 
 
 def lora_pair(model_dir: str | Path, r: int, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -146,13 +156,16 @@ def run_trainer_hf_bench(
     weights = [torch.as_tensor(t.trainable, device=device) for t in traces]
     bf16 = precision == "bfloat16"
 
-    def step(arm: str, k: int, low: bool) -> torch.Tensor:
-        """Forward and backward of one arm on trace ``k``, under bfloat16 autocast if ``low``."""
+    def step(arm: str, k: int, low: bool, every_row: bool = False) -> torch.Tensor:
+        """Forward and backward of one arm on trace ``k``, under bfloat16 autocast if ``low``; the
+        head on the trained tokens' rows, or on ``every_row``."""
+        rows = None if every_row else weights[k]
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=low):
             if arm == "ours":
-                lp = stream_logprobs(ours, [traces[k]], chunk=chunk, backend=backend)[0]
+                wanted = None if rows is None else [rows.cpu().numpy()]
+                lp = stream_logprobs(ours, [traces[k]], chunk=chunk, backend=backend, wanted=wanted)[0]
             else:
-                lp = hf_logprobs(hf, tokens[k], masks[k])
+                lp = hf_logprobs(hf, tokens[k], masks[k], rows)
             (-(lp * weights[k]).sum()).backward()
         return lp.detach()
 
@@ -161,9 +174,10 @@ def run_trainer_hf_bench(
         model.zero_grad(set_to_none=True)
         return step(arm, k, low), lora_grads(model)
 
-    timed_arms = {"ours": ("ours", bf16), "hf": ("hf", bf16)}
+    timed_arms = {"ours": ("ours", bf16, False), "hf": ("hf", bf16, False),
+                  "ours_every_row": ("ours", bf16, True), "hf_every_row": ("hf", bf16, True)}  # fmt: skip
     if bf16:  # our float32 time beside them: does bfloat16 pay on this CPU?
-        timed_arms["ours_float32"] = ("ours", False)
+        timed_arms["ours_float32"] = ("ours", False, False)
     advance = progress((repeats + 1) * len(traces)) if progress else (lambda: None)
     # Round 0, untimed, warms the arms up and yields the values compared: per trace, the float32
     # log-probs and adapter gradients of both arms, the HF arm under a causal mask, and in
@@ -190,9 +204,9 @@ def run_trainer_hf_bench(
     for _ in range(repeats):
         total = dict.fromkeys(timed_arms, 0.0)
         for k in range(len(traces)):
-            for arm, (model, low_arm) in timed_arms.items():
+            for arm, (model, low_arm, every) in timed_arms.items():
                 net = ours if model == "ours" else hf
-                total[arm] += timed(lambda k=k, m=model, x=low_arm: len(step(m, k, x)), net)[0]
+                total[arm] += timed(lambda k=k, m=model, x=low_arm, e=every: len(step(m, k, x, e)), net)[0]
             advance()
         for arm, s in total.items():
             runs[arm].append(s)
@@ -218,6 +232,7 @@ def run_trainer_hf_bench(
         "ours_s": med["ours"],
         "hf_s": med["hf"],
         "ours_vs_hf": med["hf"] / med["ours"],
+        "every_row": {"ours_s": med["ours_every_row"], "hf_s": med["hf_every_row"]},  # the head on all rows
         "ours_tokens_per_s": n_tok / med["ours"],
         "hf_tokens_per_s": n_tok / med["hf"],
         "max_abs_logprob_diff": lp_diff,  # float32, both arms
@@ -254,10 +269,12 @@ def markdown(r: dict) -> str:
                  for key, fmt in (("mean_abs_logprob_diff", ".4f"), ("max_abs_logprob_diff", ".3f"),
                                   ("min_lora_grad_cosine", ".4f")))]  # fmt: skip
         return markdown_table(columns, [row])
+    every = r.get("every_row")  # absent from runs made before the head ran on trained rows alone
     columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
-               "time, ours / theirs", "max \\|Δ log-prob\\|", "max rel. LoRA grad diff",
-               "causal-mask control"]  # fmt: skip
+               "time, ours / theirs", "head on every row: ours s", "theirs s",
+               "max \\|Δ log-prob\\|", "max rel. LoRA grad diff", "causal-mask control"]  # fmt: skip
     row = [*lead, f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
+           *((f"{every['ours_s']:.1f}", f"{every['hf_s']:.1f}") if every else ("—", "—")),
            f"{r['max_abs_logprob_diff']:.1e}", f"{r['max_rel_lora_grad_diff']:.1e}",
            f"{r['causal_mask_diff']:.1e}"]  # fmt: skip
     return markdown_table(columns, [row])

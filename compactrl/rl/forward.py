@@ -74,6 +74,21 @@ def _queries(row_streams: list[Stream], packed, copy_shared: bool):
             yield k, s.members[0], lo, torch.as_tensor(start + idx[lo - 1 : -1])
 
 
+def _wanted_rows(plan: list, wanted: list) -> torch.Tensor:
+    """Which of a row's computed outputs (``plan`` of :func:`_queries`) are wanted: a trace's own
+    positions, and a main trace's positions that a fork copies (its shared prefix) where the fork
+    wants them."""
+    rows, main_at = [], {}
+    for k, m, lo, _ in plan:  # a main trace comes before its forks
+        want = torch.as_tensor(np.asarray(wanted[k], dtype=bool))
+        rows.append(want[lo:].clone())
+        if k == m:
+            main_at[k] = len(rows) - 1
+        elif lo > 1:
+            rows[main_at[m]][: lo - 1] |= want[1:lo]
+    return torch.cat(rows)
+
+
 def _join(first: torch.Tensor, main: torch.Tensor | None, lo: int, computed: torch.Tensor) -> torch.Tensor:
     """A trace's outputs: ``first`` (row 0, nothing predicts token 0), the main's over [1, lo), then
     the computed ones."""
@@ -93,6 +108,7 @@ def stream_logprobs(
     temperature: float = 1.0,
     entropy: bool = False,
     splice_forks: bool = True,
+    wanted: list | None = None,
 ) -> list[torch.Tensor]:
     """``out[k][i] = log p(tokens[i] | what query i-1 saw)`` for each trace (``out[k][0] = 0``).
 
@@ -106,6 +122,10 @@ def stream_logprobs(
     ``temperature``: log-probs of the tempered distribution the engine sampled from. ``entropy``
     appends a column with that distribution's entropy at each position (``[T, 2]`` per trace).
     ``splice_forks``: SideQuest's forks fed inside their main trace's stream (:func:`streams`).
+    ``wanted`` (a bool ``[T]`` per trace, e.g. its ``trainable``): outputs at those positions, 0
+    where no trace wants them (a main trace also has those its forks want of their shared prefix);
+    the head and its log-softmax, the largest GEMM of a step, run on those rows alone (values still
+    come at every position).
     """
     out: list[torch.Tensor | None] = [None] * len(traces)
     values: list[torch.Tensor | None] = [None] * len(traces)
@@ -116,8 +136,14 @@ def stream_logprobs(
             targets = torch.cat([torch.as_tensor(traces[k].tokens[lo:]) for k, _, lo, _ in plan])
         else:
             targets = torch.cat([candidates[k][1:] for k, *_ in plan])
-        lp = token_logprobs(model, h, targets.to(h.device), chunk=logits_chunk, temperature=temperature,
-                            entropy=entropy)  # fmt: skip
+        targets, kw = targets.to(h.device), dict(chunk=logits_chunk, temperature=temperature, entropy=entropy)
+        if wanted is None:
+            lp = token_logprobs(model, h, targets, **kw)
+        else:
+            keep = _wanted_rows(plan, wanted).to(h.device)
+            some = token_logprobs(model, h[keep], targets[keep], **kw)
+            lp = some.new_zeros((len(keep), *some.shape[1:]))
+            lp[keep] = some
         v = value_head(h).float() if value_head is not None else None
         offset = 0
         for k, m, lo, q in plan:  # a main trace comes before its forks

@@ -257,6 +257,8 @@ class Trainer:
                 candidates = [torch.cat([torch.as_tensor(t.tokens)[:, None], ids.cpu()], 1)
                               for t, (ids, _) in zip(traces, teacher, strict=True)]  # fmt: skip
             bonus = s.entropy_coef > 0 and s.loss == "pg"
+            if candidates is None:  # the loss reads trained tokens only: the head runs on those alone
+                fwd["wanted"] = [t.trainable for t in traces]
             with self._autocast(s):
                 out = stream_logprobs(self.model, traces, value_head=critic, candidates=candidates,
                                       temperature=self.temperature, entropy=bonus, **fwd)  # fmt: skip
