@@ -5,10 +5,11 @@
  * that one panel is one contiguous run of memory and the whole matrix one sequential stream. A
  * tile of MR rows x NR features (NR = NV vectors) keeps its sums in NV x MR vector registers and
  * reads one panel line and MR inputs per k: NV x MR FMAs for NV + MR loads, which keeps the FMA
- * units busy: 6 x 2 vectors on AVX2 (the tile shape BLIS uses there), 8 x 3 on AVX-512 (24 of its
- * 32 registers; 6 x 2 ran products of 8 to 128 rows at 0.90-0.97 of oneDNN's rate on an EPYC). Few rows (decode) are bound by reading the weights: the
- * tiles of a panel share out prefetching the next panel (tile t asks for its lines k with
- * k % T == t), so the reads of panel p + 1 run under the arithmetic on panel p, where oneDNN's
+ * units busy: 6 rows x 2 vectors on AVX2 (the tile shape BLIS uses there), 8 x 3 on AVX-512 (6 x 2
+ * there ran products of 8 to 128 rows at 0.90-0.97 of oneDNN's rate on an EPYC; 8 x 3 at 1.05 to
+ * 1.35). Few rows (decode) are bound by reading the weights: the tiles of a panel share out
+ * prefetching the next panel (tile t asks for its lines k with k % T == t), so the reads of panel
+ * p + 1 run under the arithmetic on panel p, where oneDNN's
  * kernel does one after the other. Many rows (prefill) are bound by the arithmetic: each panel is
  * read once for all of them, the inputs stay in L2. Each output sums its terms in blocks of KB in
  * k order, then the blocks' sums (one float32 chain over all K is several times further from the
@@ -90,8 +91,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
                 __asm__("" : "+x"(wv[v]));
 #endif
             }
-            if (next && c == 0)
-                for (int l = 0; l < NR; l += 16) __builtin_prefetch(next + k * NR + l, 0, 1); /* 64-byte lines */
+            if (next && c == 0) /* each 64-byte line of the next panel's line k */
+                for (int l = 0; l < NR; l += 16) __builtin_prefetch(next + k * NR + l, 0, 1);
             c = c ? c - 1 : T - 1;
             for (int m = 0; m < mr; m++) {
                 vf xs = (vf){0} + x[m * K + k];
@@ -105,9 +106,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
             }
     }
     if (swiglu) { /* lanes [0, NR / 2) gate, [NR / 2, NR) up: up to NR / 2 outputs of a row of N / 2 */
-        int64_t n = N / 2 - n0 / 2 < NR / 2 ? N / 2 - n0 / 2 : NR / 2; /* the last may be partly padding */
+        int64_t n = N / 2 - n0 / 2 < NR / 2 ? N / 2 - n0 / 2 : NR / 2; /* the last panel: padding */
         for (int m = 0; m < mr; m++)
-            for (int64_t l = 0; l < n; l++) y[m * (N / 2) + n0 / 2 + l] = silu(sums[m][l]) * sums[m][NR / 2 + l];
+            for (int64_t l = 0; l < n; l++)
+                y[m * (N / 2) + n0 / 2 + l] = silu(sums[m][l]) * sums[m][NR / 2 + l];
         return;
     }
     int64_t n = N - n0 < NR ? N - n0 : NR; /* the last panel may be partly padding */

@@ -91,7 +91,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
         _mm512_storeu_ps(s + 16, b[m]);
         if (swiglu) { /* lanes [0, 16) gate, [16, 32) up: up to 16 outputs of a row of N / 2 */
             uint16_t *ym = (uint16_t *)y + m * (N / 2) + n0 / 2;
-            for (int64_t j = 0; j < (N / 2 - n0 / 2 < 16 ? N / 2 - n0 / 2 : 16); j++)
+            const int64_t f = N / 2 - n0 / 2 < 16 ? N / 2 - n0 / 2 : 16; /* the last panel: padding */
+            for (int64_t j = 0; j < f; j++)
                 ym[j] = to_bf16(from_bf16(to_bf16(silu(from_bf16(to_bf16(s[j]))))) * from_bf16(to_bf16(s[16 + j])));
         } else if (out_bf16) {
             uint16_t *ym = (uint16_t *)y + m * N + n0;
