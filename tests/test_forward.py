@@ -65,6 +65,19 @@ def test_packing_equals_separate_rows(tiny_lm):
         assert (a - b).abs().max() < 1e-5
 
 
+def test_wanted_rows_alone_give_the_same_log_probs_and_nothing_else(tiny_lm):
+    """The head on the trained tokens' rows only (packed rows, entropy column, a trace with none
+    trained): those outputs as the full forward gives them, zeros elsewhere."""
+    traces = [random_stream(s, T=60 + 20 * s) for s in range(3)]
+    wanted = [t.trainable for t in traces[:2]] + [np.zeros(len(traces[2]), bool)]
+    with torch.no_grad():
+        full = stream_logprobs(tiny_lm, traces, max_row_tokens=200, entropy=True)
+        some = stream_logprobs(tiny_lm, traces, max_row_tokens=200, entropy=True, wanted=wanted)
+    for a, b, w in zip(some, full, wanted, strict=True):
+        assert a.shape == b.shape and torch.allclose(a[w], b[w], atol=1e-5, rtol=0)
+        assert not a[~w].any() and b[~w][1:].abs().sum() > 0  # rows left out were not zero before
+
+
 def test_chunked_backward_matches_dense(tiny_lm):
     trace = random_stream(7, T=120)
     grads = {}
