@@ -159,13 +159,12 @@ def run_trainer_hf_bench(
     def step(arm: str, k: int, low: bool, every_row: bool = False) -> torch.Tensor:
         """Forward and backward of one arm on trace ``k``, under bfloat16 autocast if ``low``; the
         head on the trained tokens' rows, or on ``every_row``."""
-        rows = None if every_row else weights[k]
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=low):
             if arm == "ours":
-                wanted = None if rows is None else [rows.cpu().numpy()]
+                wanted = None if every_row else [traces[k].trainable]
                 lp = stream_logprobs(ours, [traces[k]], chunk=chunk, backend=backend, wanted=wanted)[0]
             else:
-                lp = hf_logprobs(hf, tokens[k], masks[k], rows)
+                lp = hf_logprobs(hf, tokens[k], masks[k], None if every_row else weights[k])
             (-(lp * weights[k]).sum()).backward()
         return lp.detach()
 
